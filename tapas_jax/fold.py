@@ -1,0 +1,703 @@
+"""Stage 2, fold: `Graph` -> `Folded`, the program seen as repeated layers plus glue.
+
+Networks repeat one layer many times; folding finds those repeats so the search can
+work on each *unique* layer once. An instance holds every top-level op of one layer:
+its forward, backward and optimizer-update ops (ops nested in loop bodies travel with
+the loop op that owns them). Two instances are the same unique layer when their
+canonical subgraphs hash the same (`trace.subgraph_fingerprint`).
+
+Two ways to find instances, tried in order:
+1. **names**: flax name stacks (`jvp(GPT)/Block_3/MLP`, `transpose(jvp(GPT))/Block_3`)
+   give a scope tree; siblings whose subtrees hash the same are instances. Levels with
+   no repeats are descended (T5: `encoder` -> `encoder/layers_i`).
+2. **structure**: no names needed. Tandem repeats in the sequence of op signatures give
+   runs of identical units (forward blocks, backward blocks, optimizer phases); units of
+   later runs join the instance they share most values with.
+Ops still unassigned (optimizer updates under names; glue) take the segment of the
+values they read or feed, then fall back to glue. A counted loop (`nn.scan` over
+layers) is one instance whose unique layer repeats `trip_count` times.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax.trace import trace
+  >>> from tapas_jax.fold import fold
+  >>> def net(ws, x):
+  ...   for w in ws:
+  ...     x = jnp.tanh(x @ w) + x
+  ...   return jnp.sum(x)
+  >>> w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+  >>> f = fold(trace(net, [w] * 4, jax.ShapeDtypeStruct((2, 8), jnp.float32)))
+  >>> len(f.unique_layers), len(f.instances)
+  (1, 4)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tapas_jax.trace import Graph, Op, subgraph_fingerprint
+
+__all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
+
+# Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
+_MIN_PERIOD = 3
+# A repeated scope is a layer only if it contracts something: repeated layer norms or
+# casts are cheap glue, not a sharding decision worth folding.
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# The AD accumulation primitive: sums of cotangents at an instance's edge.
+_ACCUMULATE = "add_any"
+# Phases tried when cutting a periodic span into units.
+_MAX_PHASES = 64
+# A structural repeat must cover at least this share of the program.
+_MIN_COVERAGE = 0.02
+# How many candidate periods the structural detector checks.
+_MAX_PERIODS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInstance:
+  """One copy of a layer in the program.
+
+  Attributes:
+    index: position in `Folded.instances` (program order of first op).
+    name: scope path ("GPT/Block_3") or a structural name ("repeat0[3]").
+    layer: index of its `UniqueLayer`.
+    ops: top-level op indices in program order; position k of two instances of one
+      unique layer is the same computation.
+    inputs: values read from outside the instance (literals excluded).
+    outputs: values made inside and read outside, or returned by the program.
+    trip_count: iterations when the instance is a counted loop (a scanned stack), else 1.
+  """
+
+  index: int
+  name: str
+  layer: int
+  ops: tuple[int, ...]
+  inputs: tuple[int, ...]
+  outputs: tuple[int, ...]
+  trip_count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UniqueLayer:
+  """A layer computation that the search solves once.
+
+  Attributes:
+    index: position in `Folded.unique_layers`.
+    name: readable name ("Block", "encoder/layers", "Block[MoE]", "repeat0").
+    fingerprint: canonical hash shared by all its instances.
+    instances: indices into `Folded.instances`.
+    num_ops: top-level ops per instance.
+    repeats: total executions: sum of the instances' trip counts.
+  """
+
+  index: int
+  name: str
+  fingerprint: str
+  instances: tuple[int, ...]
+  num_ops: int
+  repeats: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Non-repeated glue (embedding, head, loss, step counter): searched as is."""
+
+  name: str
+  ops: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+  """Values passed between two consecutive instances, in either direction."""
+
+  src: int
+  dst: int
+  values: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Folded:
+  """The output of `fold`.
+
+  Attributes:
+    graph: the traced graph.
+    unique_layers: the layers to search, in order of first appearance.
+    instances: every layer instance, in program order.
+    glue: the non-repeated segments.
+    boundaries: values between consecutive instances (for the chain DP).
+    method: "names" or "structure": how instances were found.
+    fold_s: seconds `fold` took.
+  """
+
+  graph: Graph
+  unique_layers: tuple[UniqueLayer, ...]
+  instances: tuple[LayerInstance, ...]
+  glue: tuple[Segment, ...]
+  boundaries: tuple[Boundary, ...]
+  method: str
+  fold_s: float
+
+  @property
+  def num_ops(self) -> int:
+    return len(self.graph.region_ops(0))
+
+  @property
+  def fold_ratio(self) -> float:
+    """Top-level ops over the ops a folded search looks at (glue + one per unique layer)."""
+    searched = sum(len(s.ops) for s in self.glue) + sum(u.num_ops for u in self.unique_layers)
+    return self.num_ops / max(searched, 1)
+
+  def summary(self) -> str:
+    """A readable report of the folding.
+
+    Example:
+      >>> print(folded.summary())  # doctest: +SKIP
+      Folded by names: 6835 ops -> 12 instances of 1 unique layer, 9 glue segments ...
+    """
+    in_layers = sum(len(i.ops) for i in self.instances)
+    lines = [
+        f"Folded by {self.method}: {self.num_ops} top-level ops "
+        f"({len(self.graph.ops)} with loop bodies) -> {len(self.instances)} layer "
+        f"instances of {len(self.unique_layers)} unique layer(s), {len(self.glue)} glue "
+        f"segment(s); {100 * in_layers / max(self.num_ops, 1):.0f}% of ops in layers; "
+        f"fold ratio {self.fold_ratio:.1f}x; fold {self.fold_s * 1e3:.0f} ms"]
+    for u in self.unique_layers:
+      names = [self.instances[i].name for i in u.instances]
+      shown = ", ".join(names[:3]) + (f", ... {names[-1]}" if len(names) > 3 else "")
+      lines.append(f"  layer {u.index} {u.name!r}: {u.num_ops} ops x {u.repeats} "
+                   f"[{shown}]")
+    glue = sorted(self.glue, key=lambda s: -len(s.ops))
+    if glue:
+      lines.append("  glue: " + ", ".join(f"{s.name or '(top)'} ({len(s.ops)})"
+                                          for s in glue[:8])
+                   + (f", ... {len(glue) - 8} more" if len(glue) > 8 else ""))
+    return "\n".join(lines)
+
+
+# -- name stacks -----------------------------------------------------------------
+
+_WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
+
+
+def scope_of(name_stack: str) -> tuple[str, ...]:
+  """Module path of a name stack, transforms stripped.
+
+  >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
+  ('GPT', 'Block_1', 'MLP', 'fc2')
+  """
+  parts = []
+  for comp in name_stack.split("/"):
+    while (m := _WRAPPER.match(comp)) is not None:
+      comp = m.group(1)
+    if comp:
+      parts.append(comp)
+  return tuple(parts)
+
+
+class _ScopeTree:
+  """Top-level ops grouped by scope prefix."""
+
+  def __init__(self, graph: Graph, ops: Sequence[Op]):
+    self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    self.forward: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
+    self.loops: set[tuple[str, ...]] = set()
+    for op in ops:
+      scope = _op_scope(graph, op)
+      if _loop_trip(graph, op):
+        self.loops.add(scope)
+      # Layer identity is decided on forward ops: backward ops of the first and last
+      # copies differ by where shared cotangents get summed.
+      is_forward = "transpose(" not in op.name_stack
+      for d in range(len(scope) + 1):
+        prefix = scope[:d]
+        if d and not self.subtree[prefix]:
+          self.children[scope[:d - 1]].append(scope[d - 1])
+        self.subtree[prefix].append(op.index)
+        if is_forward:
+          self.forward[prefix].append(op.index)
+
+
+def _contracts(graph: Graph, ops: Iterable[int]) -> bool:
+  return any(graph.ops[i].primitive in _CONTRACTIONS or graph.ops[i].subregions
+             for i in ops)
+
+
+def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
+  """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
+  scope = scope_of(op.name_stack)
+  if not _loop_trip(graph, op):
+    return scope
+  body = [scope_of(o.name_stack)[len(scope):] for o in graph.ops
+          if o.region in op.subregions]
+  common = body[0] if body else ()
+  for s in body[1:]:
+    n = 0
+    while n < min(len(common), len(s)) and common[n] == s[n]:
+      n += 1
+    common = common[:n]
+  return scope + common
+
+
+def _segment_by_names(graph: Graph, top: Sequence[Op]):
+  """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
+  tree = _ScopeTree(graph, top)
+  layers: dict[tuple[str, ...], list[int]] = {}
+  glue: dict[tuple[str, ...], list[int]] = {}
+
+  def direct_ops(node):
+    inner = {i for c in tree.children[node] for i in tree.subtree[node + (c,)]}
+    return [i for i in tree.subtree[node] if i not in inner]
+
+  def visit(node):
+    kids = [node + (c,) for c in tree.children[node]]
+    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]])
+           for k in kids if _contracts(graph, tree.subtree[k])}
+    counts = collections.Counter(fps.values())
+    repeated = any(n >= 2 for n in counts.values())
+    for k in kids:
+      if (k in fps and counts[fps[k]] >= 2) or k in tree.loops:
+        layers[k] = tree.subtree[k]
+      elif repeated or not tree.children[k]:
+        glue[k] = tree.subtree[k]
+      else:
+        visit(k)
+    if node and (own := direct_ops(node)):
+      glue[node] = own
+
+  visit(())
+  if not layers:
+    return None
+  return layers, glue
+
+
+def _loop_trip(graph: Graph, op: Op) -> int:
+  for r in op.subregions:
+    region = graph.regions[r]
+    if region.trip_count and region.trip_count > 1 and sum(
+        1 for o in graph.ops if o.region == r) >= _MIN_PERIOD:
+      return region.trip_count
+  return 0
+
+
+def _input_labels(graph: Graph, scopes: dict[tuple[str, ...], int]) -> dict[int, int]:
+  """Graph inputs whose key path names a layer scope (params/Block_3/...) -> label."""
+  by_suffix: dict[tuple[str, ...], int | None] = {}
+  for scope, label in scopes.items():
+    for start in range(len(scope)):
+      suffix = scope[start:]
+      by_suffix[suffix] = None if by_suffix.get(suffix, label) != label else label
+  out = {}
+  for inp in graph.inputs:
+    comps = tuple(inp.path.split("/"))
+    best = None
+    for a in range(len(comps)):
+      for b in range(len(comps), a, -1):
+        label = by_suffix.get(comps[a:b])
+        if label is not None and (best is None or b - a > best[0]):
+          best = (b - a, label)
+          break
+    if best is not None:
+      out[inp.value] = best[1]
+  return out
+
+
+# -- structure -------------------------------------------------------------------
+
+
+def _candidate_periods(codes: np.ndarray) -> list[int]:
+  """Gaps between successive occurrences of the same signature, most common first."""
+  order = np.lexsort((np.arange(len(codes)), codes))
+  same = codes[order][1:] == codes[order][:-1]
+  gaps = (order[1:] - order[:-1])[same]
+  gaps = gaps[gaps >= _MIN_PERIOD]
+  if not len(gaps):
+    return []
+  values, counts = np.unique(gaps, return_counts=True)
+  score = counts * values  # ops a repeat of that period could cover
+  keep = values[np.argsort(-score, kind="stable")][:_MAX_PERIODS]
+  return sorted(int(p) for p in keep)
+
+
+def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
+  """Non-overlapping periodic spans (start, stop, period), most ops saved first.
+
+  `codes[start:stop]` repeats with `period` at least twice. Where a unit starts inside
+  the span (its phase) is not decided here: any rotation of a unit repeats too.
+  """
+  found = []
+  for p in _candidate_periods(codes):
+    eq = np.concatenate([[False], codes[p:] == codes[:-p], [False]])
+    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+    for start, end in zip(edges[0::2], edges[1::2]):
+      copies = (end - start) // p + 1
+      if copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes):
+        # Ops saved by folding: a long run of a short unit beats two copies of a long one.
+        found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
+  return _best_disjoint(found)
+
+
+def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
+  """Weighted interval scheduling: the disjoint spans that save the most ops in total.
+
+  Greedy by single-span score would let two copies of a long unit (Adam's mu and nu
+  corrections together) shadow two long runs of a short one.
+  """
+  spans = sorted(found, key=lambda f: f[3])  # by stop
+  stops = [f[3] for f in spans]
+  best = [0] * (len(spans) + 1)
+  take = [False] * len(spans)
+  prev = [0] * len(spans)
+  for k, (saved, _, start, stop, _) in enumerate(spans):
+    prev[k] = int(np.searchsorted(stops, start, side="right"))
+    with_k = saved + best[prev[k]]
+    take[k] = with_k > best[k]
+    best[k + 1] = max(best[k], with_k)
+  chosen = []
+  k = len(spans) - 1
+  while k >= 0:
+    if take[k]:
+      _, _, start, stop, p = spans[k]
+      chosen.append((start, stop, p))
+      k = prev[k] - 1
+    else:
+      k -= 1
+  return sorted(chosen)
+
+
+def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
+               pos: dict[int, int]) -> np.ndarray:
+  """cut[j - start]: values made in top[start:j] and read in top[j:stop].
+
+  A layer boundary is where few values cross (the residual stream): the place to cut
+  a periodic span into units. Values from outside the span (saved activations read
+  by a backward pass) cross every point alike, so they are left out.
+  """
+  delta = np.zeros(stop - start + 2, np.int64)
+  for j in range(start, stop):
+    for v in top[j].outputs:
+      if not graph.types[v].shape:
+        continue
+      last = max((pos[c] for c in graph.consumers.get(v, ())
+                  if c in pos and pos[c] < stop), default=j)
+      if last > j:
+        delta[j + 1 - start] += 1
+        delta[last + 1 - start] -= 1
+  return np.cumsum(delta)[:stop - start]
+
+
+def _touch(graph: Graph, ops: Iterable[int]) -> set[int]:
+  """Non-scalar, non-literal values an op set reads or writes."""
+  out = set()
+  for i in ops:
+    op = graph.ops[i]
+    for v in op.inputs + op.outputs:
+      if v not in graph.literals and graph.types[v].shape:
+        out.add(v)
+  return out
+
+
+def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
+  """How well units line up with the argument pytree: summed common path prefixes.
+
+  A unit cut at the true layer boundary reads `params/blocks/3/...` only; a rotated
+  one straddles two layers and shares just `params/blocks`.
+  """
+  total = 0
+  for ops in units:
+    paths = [graph.input_path[v].split("/") for i in ops for v in graph.ops[i].inputs
+             if v in graph.input_path]
+    if not paths:
+      continue
+    common = paths[0]
+    for path in paths[1:]:
+      n = 0
+      while n < min(len(common), len(path)) and common[n] == path[n]:
+        n += 1
+      common = common[:n]
+    total += len(common)
+  return total
+
+
+def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, dict]:
+  """Greedy one-to-one unit -> instance matching by shared values; (score, mapping)."""
+  pairs = sorted(((len(t & touches[i]), -u, -i, u, i)
+                  for u, t in enumerate(unit_touch) for i in range(len(touches))),
+                 reverse=True)
+  target: dict[int, int] = {}
+  used, score = set(), 0
+  for shared, _, _, u, i in pairs:
+    if shared >= 2 and u not in target and i not in used:
+      target[u] = i
+      used.add(i)
+      score += shared
+  # A span may hold two units per instance (Adam corrects mu, then nu, leaf by leaf
+  # with identical ops): the rest go to the instance they share most with.
+  for shared, _, _, u, i in pairs:
+    if shared >= 2 and u not in target:
+      target[u] = i
+      score += shared
+  return score, target
+
+
+def _segment_by_structure(graph: Graph, top: Sequence[Op]):
+  """Name -> ops of instances found by tandem repeats, matched across runs by dataflow."""
+  codes_map: dict[str, int] = {}
+  codes = np.array([codes_map.setdefault(op.signature, len(codes_map)) for op in top],
+                   dtype=np.int64)
+  pos = {op.index: j for j, op in enumerate(top)}
+  instances: list[list[int]] = []
+  names: list[str] = []
+  touches: list[set[int]] = []
+  for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
+    # Candidate phases: the cheapest cuts within one period.
+    # Cut in the second period: the first one has nothing made before it.
+    cut = _cut_sizes(graph, top, start, stop, pos)[p:2 * p]
+    phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
+    best = None
+    for phase in phases:
+      first = start + phase
+      units = [[top[j].index for j in range(u, u + p)] for u in range(first, stop - p + 1, p)]
+      unit_touch = [_touch(graph, u) for u in units]
+      score, target = _match(unit_touch, touches)
+      key = (score, _path_affinity(graph, units), -phase)
+      if best is None or key > best[0]:
+        best = (key, units, unit_touch, target)
+    _, units, unit_touch, target = best
+    for u, ops in enumerate(units):
+      if u in target:
+        instances[target[u]].extend(ops)
+        touches[target[u]] |= unit_touch[u]
+      elif _contracts(graph, ops):  # a new layer must contract something
+        instances.append(list(ops))
+        names.append(f"repeat{k}[{u}]")
+        touches.append(unit_touch[u])
+  # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
+  claimed = {i for inst in instances for i in inst}
+  loops: list[int] = []
+  for op in top:
+    if _loop_trip(graph, op) and op.index not in claimed:
+      t = _touch(graph, [op.index])
+      _, target = _match([t], [touches[k] for k in loops])
+      if 0 in target:
+        k = loops[target[0]]
+        instances[k].append(op.index)
+        touches[k] |= t
+      else:
+        loops.append(len(instances))
+        instances.append([op.index])
+        names.append(f"loop{len(loops) - 1}")
+        touches.append(t)
+  if not instances:
+    return None
+  return {(n,): sorted(ops) for n, ops in zip(names, instances)}, {}
+
+
+# -- shared finishing -----------------------------------------------------------------
+
+
+def _propagate(graph: Graph, top: Sequence[Op], label: dict[int, int],
+               value_label: dict[int, int]) -> None:
+  """Unlabeled ops take the one segment their non-scalar operands (then users) have."""
+  def non_scalar(v):
+    return v not in graph.literals and graph.types[v].shape != ()
+
+  for _ in range(3):
+    changed = False
+    for op in top:  # forward: from producers and labeled graph inputs
+      if op.index in label:
+        continue
+      seen = {value_label[v] for v in op.inputs if non_scalar(v) and v in value_label}
+      if len(seen) == 1:
+        label[op.index] = seen.pop()
+        value_label.update((v, label[op.index]) for v in op.outputs)
+        changed = True
+    for op in reversed(top):  # backward: from consumers
+      if op.index in label:
+        continue
+      seen = {label[c] for v in op.outputs for c in graph.consumers.get(v, ())
+              if c in label and graph.ops[c].region == 0}
+      if len(seen) == 1:
+        label[op.index] = seen.pop()
+        value_label.update((v, label[op.index]) for v in op.outputs)
+        changed = True
+    if not changed:
+      break
+
+
+def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]]:
+  """Separates the cotangent sums that run along an instance's edge.
+
+  A value used by several instances (a shared bias table, the encoder output, the
+  residual stream) has its cotangents summed by a chain of `add_any` ops, each placed
+  in the instance whose contribution it adds, so the copy that starts the chain holds
+  one sum fewer. A sum that takes a partial total from outside, or whose total only
+  leaves, is a link of such a chain; peeling those to a fixed point leaves every copy
+  with the same ops.
+  """
+  inside = set(ops)
+  changed = True
+  while changed:
+    changed = False
+    for i in ops:
+      op = graph.ops[i]
+      if i not in inside or op.primitive != _ACCUMULATE:
+        continue
+      from_outside = not all(graph.producer.get(v) in inside for v in op.inputs)
+      to_outside = not any(c in inside for v in op.outputs
+                           for c in graph.consumers.get(v, ()))
+      if from_outside or to_outside:
+        inside.discard(i)
+        changed = True
+  return [i for i in ops if i in inside], [i for i in ops if i not in inside]
+
+
+def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
+                                                                 tuple[int, ...]]:
+  inside = set(ops)
+  made = {v for i in ops for v in graph.ops[i].outputs}
+  reads = []
+  seen = set()
+  for i in ops:
+    for v in graph.ops[i].inputs:
+      if v not in made and v not in graph.literals and v not in seen:
+        seen.add(v)
+        reads.append(v)
+  returned = set(graph.outputs)
+  writes = tuple(v for i in ops for v in graph.ops[i].outputs
+                 if v in returned or any(c not in inside and graph.ops[c].region == 0
+                                         for c in graph.consumers.get(v, ())))
+  return tuple(reads), writes
+
+
+def _layer_name(scope: tuple[str, ...], method: str) -> str:
+  if method == "structure":
+    return re.sub(r"\[\d+\]$", "", scope[0])
+  parts = scope[1:] if len(scope) > 1 else scope
+  return "/".join(re.sub(r"_?\d+$", "", p) or p for p in parts)
+
+
+def _distinct_names(graph: Graph, groups: list[list[tuple[str, ...]]],
+                    base: list[str]) -> list[str]:
+  """Where two unique layers share a name, tell them apart by their child scopes."""
+  counts = collections.Counter(base)
+  names = list(base)
+  for k, scopes in enumerate(groups):
+    if counts[base[k]] < 2:
+      continue
+    scope = scopes[0]
+    kids = sorted({s[len(scope)] for op in graph.ops if op.region == 0
+                   for s in [scope_of(op.name_stack)]
+                   if len(s) > len(scope) and s[:len(scope)] == scope})
+    others = set().union(*[
+        {s[len(o[0])] for op in graph.ops if op.region == 0
+         for s in [scope_of(op.name_stack)] if len(s) > len(o[0]) and s[:len(o[0])] == o[0]}
+        for j, o in enumerate(groups) if j != k and base[j] == base[k]] or [set()])
+    own = [c for c in kids if c not in others]
+    names[k] = f"{base[k]}[{','.join(own) or k}]"
+  return names
+
+
+def fold(graph: Graph, use_names: bool = True) -> Folded:
+  """Groups a traced program into layer instances and unique layers.
+
+  Args:
+    graph: the output of `tapas_jax.trace.trace`.
+    use_names: try name stacks first; False forces structural detection.
+
+  Returns:
+    `Folded`: unique layers, instances in program order, glue and boundaries.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tapas_jax.trace import trace
+    >>> x = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    >>> def mlp(x):
+    ...   for _ in range(3):
+    ...     x = jax.nn.relu(x @ jnp.ones((16, 16))) * 2.0 + 1.0
+    ...   return x
+    >>> fold(trace(mlp, x)).unique_layers[0].repeats
+    3
+  """
+  start = time.perf_counter()
+  top = graph.region_ops(0)
+  method = "names"
+  found = _segment_by_names(graph, top) if use_names else None
+  if found is None:
+    method = "structure"
+    found = _segment_by_structure(graph, top)
+  layers, glue = found if found is not None else ({}, {})
+
+  # Labels: layer scopes first, then glue scopes; ints index `scopes`.
+  scopes = list(layers) + list(glue)
+  label: dict[int, int] = {}
+  for k, scope in enumerate(scopes):
+    for i in (layers.get(scope) or glue[scope]):
+      label.setdefault(i, k)
+  value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)}) \
+      if method == "names" else {}
+  for i, k in label.items():
+    value_label.update((v, k) for v in graph.ops[i].outputs)
+  if method == "names":
+    # Under names, unnamed ops (optimizer updates, loss) join the layer whose values they
+    # use. Structural runs already hold the backward and update units; the rest is glue.
+    _propagate(graph, top, label, value_label)
+
+  members: dict[int, list[int]] = collections.defaultdict(list)
+  leftovers = []
+  for op in top:
+    if op.index in label:
+      members[label[op.index]].append(op.index)
+    else:
+      leftovers.append(op.index)
+  layer_keys = sorted((k for k in range(len(layers)) if members[k]),
+                      key=lambda k: members[k][0])
+  sums = []
+  for k in layer_keys:
+    members[k], edge = _split_edge_sums(graph, members[k])
+    sums.extend(edge)
+
+  by_fp: dict[str, list[int]] = {}
+  raw = []
+  for pos, k in enumerate(layer_keys):
+    ops = members[k]
+    fp = subgraph_fingerprint([graph.ops[i] for i in ops])
+    by_fp.setdefault(fp, []).append(pos)
+    inputs, outputs = _boundary_values(graph, ops)
+    trip = max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
+    raw.append((scopes[k], ops, inputs, outputs, trip, fp))
+
+  fp_index = {fp: n for n, fp in enumerate(by_fp)}
+  instances = tuple(
+      LayerInstance(index=pos, name="/".join(scope), layer=fp_index[fp], ops=tuple(ops),
+                    inputs=inputs, outputs=outputs, trip_count=trip)
+      for pos, (scope, ops, inputs, outputs, trip, fp) in enumerate(raw))
+  groups = [[raw[p][0] for p in positions] for positions in by_fp.values()]
+  names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups])
+  unique = tuple(
+      UniqueLayer(index=n, name=names[n], fingerprint=fp, instances=tuple(positions),
+                  num_ops=len(raw[positions[0]][1]),
+                  repeats=sum(raw[p][4] for p in positions))
+      for n, (fp, positions) in enumerate(by_fp.items()))
+
+  glue_segments = [Segment(name="/".join(scopes[k]), ops=tuple(members[k]))
+                   for k in range(len(layers), len(scopes)) if members[k]]
+  if sums:
+    glue_segments.append(Segment(name="(cotangent sums)", ops=tuple(sorted(sums))))
+  if leftovers:
+    glue_segments.append(Segment(name="", ops=tuple(leftovers)))
+
+  boundaries = []
+  for a, b in zip(instances, instances[1:]):
+    values = (set(a.outputs) & set(b.inputs)) | (set(b.outputs) & set(a.inputs))
+    boundaries.append(Boundary(src=a.index, dst=b.index, values=tuple(sorted(values))))
+  return Folded(graph=graph, unique_layers=unique, instances=instances,
+                glue=tuple(glue_segments), boundaries=tuple(boundaries), method=method,
+                fold_s=time.perf_counter() - start)

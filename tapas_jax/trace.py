@@ -1,0 +1,474 @@
+"""Stage 1, trace: a JAX callable and its arguments -> `Graph`, the project's IR.
+
+One `Op` per jaxpr equation, with its primitive, normalized params, typed inputs and
+outputs, the flax name stack, and a canonical `signature` that is blind to variable
+names, weight values and name stacks. Call-like equations (`jit`, custom_jvp/vjp,
+remat: one sub-jaxpr whose types match the call) are inlined, so a layer looks the
+same whether or not someone wrapped it in `jax.jit`. Loops and branches (`scan`,
+`while`, `cond`) stay as one op each, with their bodies in nested `Region`s; a scan
+keeps its trip count. Sub-jaxprs are found by type in equation params, not by a list
+of primitive names.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax.trace import trace
+  >>> g = trace(lambda w, x: jnp.tanh(x @ w), jax.ShapeDtypeStruct((4, 8), jnp.float32),
+  ...           jax.ShapeDtypeStruct((2, 4), jnp.float32))
+  >>> [op.primitive for op in g.ops]
+  ['dot_general', 'tanh']
+  >>> g.inputs[0].path
+  'arg0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from tapas_jax import _jax_internals as jx
+
+__all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TraceError", "trace"]
+
+
+class TraceError(ValueError):
+  """A function or its arguments could not be traced."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorType:
+  """Shape and dtype of one value."""
+
+  shape: tuple[int, ...]
+  dtype: str
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def itemsize(self) -> int:
+    try:
+      return np.dtype(self.dtype).itemsize
+    except TypeError:
+      return 0
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.itemsize
+
+  def __str__(self) -> str:
+    return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInput:
+  """A leaf of the traced function's arguments.
+
+  Attributes:
+    value: the value id it binds.
+    path: pytree key path, e.g. "params/Block_3/MLP/fc1/kernel".
+    arg: index of the positional argument it belongs to.
+  """
+
+  value: int
+  path: str
+  arg: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One jaxpr equation.
+
+  Attributes:
+    index: position in `Graph.ops`.
+    primitive: primitive name, e.g. "dot_general".
+    params: normalized params as sorted (name, canonical text) pairs; sub-jaxprs
+      appear as the fingerprint of their region.
+    inputs: value ids read (literals included, see `Graph.literals`).
+    outputs: value ids written.
+    name_stack: flax/JAX name stack, parent stacks prefixed.
+    region: id of the `Region` holding this op; 0 is the top level.
+    signature: canonical hash of primitive, params and input/output types.
+    subregions: regions of a loop or branch op (its bodies), else ().
+    site: where the equation sits: top-level equation index, then for each nesting
+      level (param name, jaxpr index, equation index) flattened.
+  """
+
+  index: int
+  primitive: str
+  params: tuple[tuple[str, str], ...]
+  inputs: tuple[int, ...]
+  outputs: tuple[int, ...]
+  name_stack: str
+  region: int
+  signature: str
+  subregions: tuple[int, ...] = ()
+  site: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """A nested jaxpr that is not inlined: a loop body, a loop condition or a branch.
+
+  Attributes:
+    index: id; 0 is the top level.
+    kind: "top" or "<primitive>.<param>", e.g. "scan.jaxpr", "while.body_jaxpr".
+    parent: enclosing region id (-1 for the top level).
+    op: index of the op that owns it (-1 for the top level).
+    trip_count: iterations of a counted loop (scan), None when unknown or not a loop.
+    inputs: value ids bound to the body's parameters.
+    outputs: value ids the body returns.
+    fingerprint: canonical hash of the body (ops and wiring).
+  """
+
+  index: int
+  kind: str
+  parent: int
+  op: int
+  trip_count: int | None
+  inputs: tuple[int, ...]
+  outputs: tuple[int, ...]
+  fingerprint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+  """The traced program.
+
+  Attributes:
+    ops: every op, bodies of loops included; `region` says where each sits.
+    types: `types[v]` is the `TensorType` of value id v.
+    literals: value ids that are literals or closed-over constants.
+    inputs: the graph inputs, one per argument leaf, in flattening order.
+    outputs: value ids of the function's outputs, flattened.
+    output_paths: pytree key path of each output.
+    regions: region 0 is the top level, then loop bodies and branches.
+    num_args: number of positional arguments.
+    trace_s: seconds spent in `jax.make_jaxpr`.
+    walk_s: seconds spent building this graph from the jaxpr.
+  """
+
+  ops: tuple[Op, ...]
+  types: tuple[TensorType, ...]
+  literals: frozenset[int]
+  inputs: tuple[GraphInput, ...]
+  outputs: tuple[int, ...]
+  output_paths: tuple[str, ...]
+  regions: tuple[Region, ...]
+  num_args: int
+  trace_s: float = 0.0
+  walk_s: float = 0.0
+
+  @functools.cached_property
+  def producer(self) -> dict[int, int]:
+    """value id -> index of the op writing it (graph inputs and literals absent)."""
+    return {v: op.index for op in self.ops for v in op.outputs}
+
+  @functools.cached_property
+  def consumers(self) -> dict[int, tuple[int, ...]]:
+    """value id -> indices of the ops reading it, in program order."""
+    out: dict[int, list[int]] = {}
+    for op in self.ops:
+      for v in op.inputs:
+        out.setdefault(v, []).append(op.index)
+    return {v: tuple(ops) for v, ops in out.items()}
+
+  @functools.cached_property
+  def input_path(self) -> dict[int, str]:
+    """value id -> key path, for graph inputs."""
+    return {i.value: i.path for i in self.inputs}
+
+  def region_ops(self, region: int = 0) -> tuple[Op, ...]:
+    """The ops directly inside `region`, in program order."""
+    return tuple(op for op in self.ops if op.region == region)
+
+  def summary(self) -> str:
+    top = self.region_ops(0)
+    loops = [r for r in self.regions[1:] if r.trip_count]
+    lines = [f"Graph: {len(self.ops)} ops ({len(top)} top level), {len(self.inputs)} "
+             f"inputs, {len(self.outputs)} outputs, {len(self.regions) - 1} nested regions"]
+    for r in loops:
+      lines.append(f"  loop {r.kind} x{r.trip_count}: "
+                   f"{sum(1 for op in self.ops if op.region == r.index)} ops")
+    return "\n".join(lines)
+
+
+# -- argument checking ------------------------------------------------------------
+
+
+def key_path_str(path: Sequence[Any]) -> str:
+  """'params/Block_3/MLP/fc1/kernel' from a pytree key path."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def _abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return leaf
+  if isinstance(leaf, (bool, int, float, complex, np.number, np.bool_)):
+    return jax.ShapeDtypeStruct((), jax.numpy.asarray(leaf).dtype)
+  shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+  if shape is None or dtype is None:
+    raise TraceError(
+        f"trace: {where} is a {type(leaf).__name__} ({leaf!r:.60}), not an array. Pass "
+        "jax/numpy arrays or jax.ShapeDtypeStruct leaves (jax.eval_shape gives them "
+        "without allocating); mark non-array options static with functools.partial.")
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _abstract_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], list[tuple[int, str]]]:
+  abstract, paths = [], []
+  for i, arg in enumerate(args):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(arg)
+    leaves = []
+    for path, leaf in flat:
+      p = key_path_str(path) or f"arg{i}"
+      leaves.append(_abstract_leaf(leaf, f"argument {i} at path '{p}'"))
+      paths.append((i, p))
+    abstract.append(jax.tree_util.tree_unflatten(treedef, leaves))
+  return tuple(abstract), paths
+
+
+# -- canonical params -------------------------------------------------------------
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Params that are names or bookkeeping, not semantics.
+_IGNORED_PARAMS = frozenset({"name", "debug_info", "source_info", "ctx_mesh",
+                             "compiler_options_kvs", "keep_unused", "inline",
+                             "donated_invars"})
+
+
+def _canon(value: Any) -> str:
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return repr(value)
+  if isinstance(value, (tuple, list)):
+    return "(" + ",".join(_canon(v) for v in value) + ")"
+  if isinstance(value, np.dtype):
+    return value.name
+  if isinstance(value, enum.Enum):
+    return f"{type(value).__name__}.{value.name}"
+  if callable(value) and not hasattr(value, "shape"):
+    # Functions in params (custom_jvp rules, thunks) have no stable identity.
+    return f"<{type(value).__name__}>"
+  if isinstance(value, np.ndarray):
+    return f"array{value.shape}{value.dtype}"
+  return _ADDRESS.sub("", repr(value))
+
+
+def _digest(text: str) -> str:
+  return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+# -- the walk ---------------------------------------------------------------------
+
+
+class _Walker:
+  """Builds the flat op list; one instance per `trace` call."""
+
+  def __init__(self):
+    self.ops: list[Op] = []
+    self.types: list[TensorType] = []
+    self.literals: set[int] = set()
+    self.regions: list[Region | None] = [None]
+    self._type_cache: dict[tuple, TensorType] = {}
+    self._sig_cache: dict[str, str] = {}
+
+  def new_value(self, atom: Any) -> int:
+    key = jx.aval_of(atom)
+    ttype = self._type_cache.get(key)
+    if ttype is None:
+      ttype = self._type_cache[key] = TensorType(*key)
+    self.types.append(ttype)
+    return len(self.types) - 1
+
+  def new_literal(self, atom: Any) -> int:
+    v = self.new_value(atom)
+    self.literals.add(v)
+    return v
+
+  def read(self, env: dict, atom: Any) -> int:
+    if jx.is_literal(atom):
+      return self.new_literal(atom)
+    return env[atom]
+
+  def walk(self, jaxpr: Any, env: dict, region: int, stack: str, site: tuple) -> None:
+    for i, eqn in enumerate(jaxpr.eqns):
+      inner = jx.name_stack(eqn)
+      full = f"{stack}/{inner}" if stack and inner else (stack or inner)
+      inputs = tuple(self.read(env, a) for a in eqn.invars)
+      subs = list(jx.sub_jaxprs(eqn))
+      if len(subs) == 1 and self._call_like(eqn, subs[0][2]):
+        self._inline(eqn, subs[0], inputs, env, region, full, site + (i,))
+        continue
+      self._emit(eqn, subs, inputs, env, region, full, site + (i,))
+
+  @staticmethod
+  def _call_like(eqn: Any, sub: Any) -> bool:
+    if jx.trip_count(eqn) is not None:
+      return False
+    body, _ = jx.open_jaxpr(sub)
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+      return False
+    return (all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.invars, eqn.invars))
+            and all(jx.aval_of(a) == jx.aval_of(b)
+                    for a, b in zip(body.outvars, eqn.outvars)))
+
+  def _bind_consts(self, body: Any, consts: tuple, env: dict) -> None:
+    for var, _ in zip(body.constvars, consts):
+      env[var] = self.new_literal(var)
+
+  def _inline(self, eqn, sub, inputs, env, region, stack, site) -> None:
+    key, idx, jaxpr = sub
+    body, consts = jx.open_jaxpr(jaxpr)
+    inner_env: dict = dict(zip(body.invars, inputs))
+    self._bind_consts(body, consts, inner_env)
+    self.walk(body, inner_env, region, stack, site + (key, idx))
+    for outer, inner in zip(eqn.outvars, body.outvars):
+      env[outer] = self.read(inner_env, inner)
+
+  def _emit(self, eqn, subs, inputs, env, region, stack, site) -> None:
+    index = len(self.ops)
+    self.ops.append(None)  # placeholder: bodies are walked first, they need no index
+    subregions, fingerprints = [], {}
+    for key, idx, jaxpr in subs:
+      r = self._walk_region(eqn, key, idx, jaxpr, index, region, stack, site)
+      subregions.append(r.index)
+      fingerprints.setdefault(key, []).append(r.fingerprint)
+    outputs = tuple(self.new_value(a) for a in eqn.outvars)
+    for var, v in zip(eqn.outvars, outputs):
+      env[var] = v
+    params = tuple(sorted(
+        (k, ",".join(fingerprints[k]) if k in fingerprints else _canon(v))
+        for k, v in eqn.params.items() if k not in _IGNORED_PARAMS))
+    self.ops[index] = Op(index=index, primitive=eqn.primitive.name, params=params,
+                         inputs=inputs, outputs=outputs, name_stack=stack, region=region,
+                         signature=self._signature(eqn.primitive.name, params, inputs,
+                                                   outputs),
+                         subregions=tuple(subregions), site=site)
+
+  def _walk_region(self, eqn, key, idx, jaxpr, op_index, parent, stack, site) -> Region:
+    body, consts = jx.open_jaxpr(jaxpr)
+    rid = len(self.regions)
+    self.regions.append(None)
+    env: dict = {}
+    body_inputs = tuple(self.new_value(v) for v in body.invars)
+    env.update(zip(body.invars, body_inputs))
+    self._bind_consts(body, consts, env)
+    first = len(self.ops)
+    self.walk(body, env, rid, stack, site + (key, idx))
+    outputs = tuple(self.read(env, a) for a in body.outvars)
+    ops = [op for op in self.ops[first:] if op.region == rid]
+    region = Region(index=rid, kind=f"{eqn.primitive.name}.{key}", parent=parent,
+                    op=op_index, trip_count=jx.trip_count(eqn), inputs=body_inputs,
+                    outputs=outputs,
+                    fingerprint=subgraph_fingerprint(ops, body_inputs, outputs))
+    self.regions[rid] = region
+    return region
+
+  def _signature(self, primitive, params, inputs, outputs) -> str:
+    text = "|".join((
+        primitive, repr(params),
+        ";".join(f"{'L' if v in self.literals else ''}{self.types[v]}" for v in inputs),
+        ";".join(str(self.types[v]) for v in outputs)))
+    sig = self._sig_cache.get(text)
+    if sig is None:
+      sig = self._sig_cache[text] = _digest(text)
+    return sig
+
+
+def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
+                         outputs: Sequence[int] = ()) -> str:
+  """Canonical hash of a list of ops and their wiring, blind to value ids.
+
+  Values made inside are named by (op position, output slot); values from outside by
+  order of first use, with declared `inputs` first. Equal fingerprints mean the same
+  computation on the same shapes.
+  """
+  local: dict[int, str] = {v: f"i{k}" for k, v in enumerate(inputs)}
+  parts = []
+  for pos, op in enumerate(ops):
+    refs = []
+    for v in op.inputs:
+      ref = local.get(v)
+      if ref is None:
+        ref = local[v] = f"x{len(local)}"
+      refs.append(ref)
+    parts.append(f"{op.signature}({','.join(refs)})")
+    for slot, v in enumerate(op.outputs):
+      local[v] = f"{pos}.{slot}"
+  parts.append("->" + ",".join(local.get(v, "?") for v in outputs))
+  return _digest(";".join(parts))
+
+
+def trace(fn: Callable[..., Any], *args: Any) -> Graph:
+  """Traces `fn(*args)` abstractly into a `Graph`.
+
+  Args:
+    fn: any JAX-traceable callable (a train step, a flax apply, a plain function).
+    *args: its positional arguments: pytrees of arrays or `jax.ShapeDtypeStruct`.
+      Nothing is allocated and nothing runs on a device.
+
+  Returns:
+    The `Graph` with one op per equation, inputs keyed by pytree path.
+
+  Raises:
+    TraceError: `fn` is not callable, a leaf is not an array, or tracing failed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> g = trace(lambda p: jnp.sum(p["w"] ** 2), {"w": jnp.ones((3,))})
+    >>> g.inputs[0].path, len(g.ops)
+    ('w', 2)
+  """
+  if not callable(fn):
+    raise TraceError(f"trace: fn must be callable, got {type(fn).__name__} ({fn!r:.60})")
+  abstract, paths = _abstract_args(args)
+  start = time.perf_counter()
+  try:
+    closed, out_shape = jx.make_jaxpr(fn, *abstract)
+  except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
+    shapes = ", ".join(f"{p}: {jax.tree.leaves(a)[0].shape if jax.tree.leaves(a) else '()'}"
+                       for p, a in zip(range(len(abstract)), abstract))
+    raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
+                     f"{len(abstract)} argument(s) ({shapes} ...): "
+                     f"{type(e).__name__}: {e}") from e
+  trace_s = time.perf_counter() - start
+  start = time.perf_counter()
+  walker = _Walker()
+  body, consts = jx.open_jaxpr(closed)
+  env: dict = {}
+  inputs = []
+  for var, (arg, path) in zip(body.invars, paths):
+    v = walker.new_value(var)
+    env[var] = v
+    inputs.append(GraphInput(value=v, path=path, arg=arg))
+  walker._bind_consts(body, consts, env)
+  walker.walk(body, env, region=0, stack="", site=())
+  outputs = tuple(walker.read(env, a) for a in body.outvars)
+  out_paths = tuple(key_path_str(p) or f"out{k}" for k, (p, _) in
+                    enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]))
+  top_ops = [op for op in walker.ops if op.region == 0]
+  walker.regions[0] = Region(index=0, kind="top", parent=-1, op=-1, trip_count=None,
+                             inputs=tuple(i.value for i in inputs), outputs=outputs,
+                             fingerprint=subgraph_fingerprint(
+                                 top_ops, [i.value for i in inputs], outputs))
+  return Graph(ops=tuple(walker.ops), types=tuple(walker.types),
+               literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
+               output_paths=out_paths, regions=tuple(walker.regions),
+               num_args=len(args), trace_s=trace_s,
+               walk_s=time.perf_counter() - start)

@@ -1,0 +1,101 @@
+"""Tests for the LLaMA family and the nnx twins of GPT and LLaMA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tapas_jax.models import gpt
+from tapas_jax.models import gpt_nnx
+from tapas_jax.models import llama
+from tapas_jax.models import llama_nnx
+
+_TWINS = {
+    "gpt": (gpt, gpt_nnx),
+    "llama": (llama, llama_nnx),
+}
+
+
+def _linen_module(family: str, config):
+  return gpt.GPT(config) if family == "gpt" else llama.Llama(config)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("family", sorted(_TWINS))
+def test_linen_and_nnx_give_same_loss(family, scan_layers):
+  linen_lib, nnx_lib = _TWINS[family]
+  config = dataclasses.replace(linen_lib.CONFIGS["tiny"], scan_layers=scan_layers)
+  batch = linen_lib.make_batch(config, jax.random.key(1), 2)
+  module = _linen_module(family, config)
+  variables = module.init(jax.random.key(0), batch["inputs"])
+  linen_loss, _ = linen_lib.loss(module, variables, batch)
+
+  nnx_module = nnx_lib.from_linen(variables["params"], config)
+  nnx_loss = nnx_lib.loss(nnx_module, batch)
+
+  np.testing.assert_allclose(nnx_loss, linen_loss, rtol=1e-5)
+  assert float(linen_loss) == pytest.approx(np.log(config.vocab_size), rel=0.2)
+
+
+def test_from_linen_rejects_mismatched_params():
+  config = gpt.CONFIGS["tiny"]
+  batch = gpt.make_batch(config, jax.random.key(1), 1)
+  variables = gpt.GPT(config).init(jax.random.key(0), batch["inputs"])
+  with pytest.raises(ValueError, match="do not match"):
+    gpt_nnx.from_linen(variables["params"], dataclasses.replace(config, num_layers=3))
+  with pytest.raises(ValueError, match="shape"):
+    gpt_nnx.from_linen(variables["params"], dataclasses.replace(config, d_model=32))
+
+
+def test_rope_depends_only_on_relative_position():
+  head_dim = 16
+  q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, head_dim))
+  rope = lambda x, pos: llama.apply_rope(x, jnp.array([pos]), 10000.0)[0, 0, 0]
+  dot = lambda m, n: jnp.dot(rope(q, m), rope(k, n))
+  np.testing.assert_allclose(dot(3, 1), dot(10, 8), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dot(0, 5), dot(20, 25), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(dot(3, 1), dot(3, 2), rtol=1e-3)
+  # Position 0 is the identity, and rotation keeps the norm.
+  np.testing.assert_allclose(rope(q, 0), q[0, 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(jnp.linalg.norm(rope(q, 7)), jnp.linalg.norm(q), rtol=1e-5)
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+  q = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
+  k, v = jax.random.normal(jax.random.key(1), (2, 2, 8, 2, 16))
+  grouped = llama.attention(q, k, v)
+  full = llama.attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+  np.testing.assert_allclose(grouped, full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_llama_runs_with_any_kv_head_count(num_kv_heads):
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_kv_heads=num_kv_heads)
+  batch = llama.make_batch(config, jax.random.key(1), 2)
+  variables = llama.Llama(config).init(jax.random.key(0), batch["inputs"])
+  head_dim = config.d_model // config.num_heads
+  kernel = variables["params"]["Block_0"]["Attention"]["k_proj"]["kernel"]
+  assert kernel.shape == (config.d_model, num_kv_heads * head_dim)
+  logits = llama.Llama(config).apply(variables, batch["inputs"])
+  assert logits.shape == (2, config.seq_len, config.vocab_size)
+  assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_llama_rejects_bad_kv_heads():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    dataclasses.replace(llama.CONFIGS["tiny"], num_kv_heads=3)
+
+
+def test_llama_is_causal():
+  config = llama.CONFIGS["tiny"]
+  tokens = llama.make_batch(config, jax.random.key(1), 1)["inputs"]
+  module = llama.Llama(config)
+  variables = module.init(jax.random.key(0), tokens)
+  changed = tokens.at[0, -1].set((tokens[0, -1] + 1) % config.vocab_size)
+  before, after = module.apply(variables, tokens), module.apply(variables, changed)
+  np.testing.assert_allclose(before[:, :-1], after[:, :-1], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(before[:, -1], after[:, -1])

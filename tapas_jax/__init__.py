@@ -1,0 +1,34 @@
+"""tapas_jax: automatic tensor-parallel sharding for JAX, after TAPAS (arXiv 2302.00247).
+
+The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` ->
+`Folded`: unique layers and their instances), then search, plan and apply.
+
+Example:
+  >>> import tapas_jax as tapas
+  >>> from tapas_jax import models
+  >>> m = models.get_model("gpt", "tiny")
+  >>> graph = tapas.trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+  >>> folded = tapas.fold.fold(graph)
+  >>> len(folded.unique_layers), len(folded.instances)
+  (1, 2)
+"""
+
+from tapas_jax import fold
+from tapas_jax import models
+from tapas_jax import trace
+from tapas_jax.fold import Folded
+from tapas_jax.mesh import MeshError, make_mesh
+from tapas_jax.trace import Graph, TraceError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Folded",
+    "Graph",
+    "MeshError",
+    "TraceError",
+    "fold",
+    "make_mesh",
+    "models",
+    "trace",
+]

@@ -257,7 +257,7 @@ def _canon(value: Any) -> str:
   if value is None or isinstance(value, (bool, int, float, str)):
     return repr(value)
   if isinstance(value, (tuple, list)):
-    return "(" + ",".join(_canon(v) for v in value) + ")"
+    return "(" + ",".join(_canon(v) for v in value) + ("," if len(value) == 1 else "") + ")"
   if isinstance(value, np.dtype):
     return value.name
   if isinstance(value, enum.Enum):

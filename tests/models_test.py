@@ -12,7 +12,11 @@ PUBLISHED_PARAMS = [
     ("gpt", "gpt3-175b", 175e9),
     ("llama", "llama3-8b", 8.03e9),
     ("llama", "llama3-70b", 70.6e9),
-    ("t5", "t5-11b", 11e9),
+    # The T5 paper rounds to "11B"; the released checkpoint holds 11.3B (also the count
+    # of the published shape: 24+24 layers, d_model 1024, 128 heads x 128, d_ff 65536).
+    ("t5", "t5-11b", 11.3e9),
+    ("t5", "t5-base", 223e6),
+    ("vit", "vit-b16", 86.6e6),
     ("vit", "vit-h14", 632e6),
     ("resnet", "resnet-50", 25.6e6),
 ]

@@ -1,0 +1,211 @@
+"""fold: layer instances, unique layers, glue and boundaries, with and without names."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from tapas_jax import models
+from tapas_jax.fold import Folded, fold, scope_of
+from tapas_jax.trace import Graph, trace
+
+F32 = jnp.float32
+
+
+def sds(*shape, dtype=F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def train_graph(name: str, **overrides) -> Graph:
+  m = models.get_model(name, "tiny", **overrides)
+  return trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+
+
+def layer_shape(f: Folded) -> list[tuple[int, int]]:
+  """(instances, repeats) per unique layer."""
+  return [(len(u.instances), u.repeats) for u in f.unique_layers]
+
+
+# model, overrides, expected (instances, repeats) per unique layer, under names.
+ZOO_CASES = [
+    ("gpt", dict(num_layers=4), [(4, 4)]),
+    ("gpt", dict(num_layers=3, scan_layers=True), [(1, 3)]),
+    ("llama", dict(num_layers=3), [(3, 3)]),
+    ("t5", dict(num_encoder_layers=3, num_decoder_layers=3), [(3, 3), (3, 3)]),
+    ("moe", dict(num_layers=6), [(3, 3), (3, 3)]),
+    ("resnet", dict(stage_sizes=(3, 3)), [(2, 2), (2, 2)]),
+    ("vit", dict(num_layers=3), [(3, 3)]),
+]
+
+
+@pytest.mark.parametrize("name,overrides,expected", ZOO_CASES,
+                         ids=[f"{c[0]}-{'-'.join(map(str, c[1].values()))}" for c in ZOO_CASES])
+def test_zoo_train_steps_fold_by_names(name, overrides, expected):
+  f = fold(train_graph(name, **overrides))
+  assert f.method == "names"
+  assert layer_shape(f) == expected
+  # Every top-level op is in exactly one instance or glue segment.
+  owned = [i for inst in f.instances for i in inst.ops] + [i for s in f.glue for i in s.ops]
+  assert sorted(owned) == [op.index for op in f.graph.region_ops(0)]
+
+
+def test_heterogeneous_layers_get_readable_distinct_names():
+  t5 = fold(train_graph("t5", num_encoder_layers=3, num_decoder_layers=3))
+  assert [u.name for u in t5.unique_layers] == ["encoder/layers", "decoder/layers"]
+  moe = fold(train_graph("moe", num_layers=6))
+  assert [u.name for u in moe.unique_layers] == ["Block[MLP]", "Block[MoE]"]
+  assert [moe.instances[i].name for i in moe.unique_layers[1].instances] == [
+      "MoETransformer/Block_1", "MoETransformer/Block_3", "MoETransformer/Block_5"]
+
+
+def test_instance_holds_forward_backward_and_optimizer_ops():
+  f = fold(train_graph("gpt", num_layers=4))
+  g = f.graph
+  for k, inst in enumerate(f.instances):
+    stacks = [g.ops[i].name_stack for i in inst.ops]
+    assert any(s.startswith(f"jvp(GPT)/Block_{k}") for s in stacks)
+    assert any(s.startswith(f"transpose(jvp(GPT))/Block_{k}") for s in stacks)
+    assert any(s == "" for s in stacks), "optax update ops have no name stack"
+    read = {g.input_path.get(v) for i in inst.ops for v in g.ops[i].inputs}
+    assert f"params/Block_{k}/MLP/fc1/kernel" in read
+    assert f"opt_state/0/mu/Block_{k}/MLP/fc1/kernel" in read
+    assert f"opt_state/0/nu/Block_{k}/Attention/query/kernel" in read
+    assert not any(p and f"Block_{j}/" in p for p in read for j in range(4) if j != k)
+
+
+@pytest.mark.parametrize("layers", [2, 4, 8])
+def test_unique_layers_do_not_grow_with_depth(layers):
+  f = fold(train_graph("gpt", num_layers=layers))
+  assert layer_shape(f) == [(layers, layers)]
+  assert f.fold_ratio > 0.6 * layers  # glue keeps it under `layers`
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("gpt", dict(num_layers=4)), ("llama", dict(num_layers=3)), ("vit", dict(num_layers=3))])
+def test_structure_alone_finds_the_same_layers_as_names(name, overrides):
+  g = train_graph(name, **overrides)
+  by_names, by_structure = fold(g), fold(g, use_names=False)
+  assert by_structure.method == "structure"
+  assert layer_shape(by_structure) == layer_shape(by_names)
+  assert ([len(i.ops) for i in by_structure.instances]
+          == [len(i.ops) for i in by_names.instances])
+
+
+@pytest.mark.parametrize("name", ["gpt_nnx", "llama_nnx"])
+def test_nnx_models_fold_without_name_stacks(name):
+  f = fold(train_graph(name, num_layers=4))
+  assert f.method == "structure"  # nnx puts no module paths in the jaxpr
+  assert layer_shape(f) == [(4, 4)]
+
+
+def _plain_net(acts):
+  """An input projection, then a Python loop of residual MLP blocks; no names anywhere.
+
+  The projection makes the first block's input differentiable, as an embedding does:
+  otherwise its backward pass would skip the input cotangent and differ from the rest.
+  """
+  def net(params, x):
+    x = x @ params[0]
+    for k, p in enumerate(params[1]):
+      h = acts[k](x @ p["w1"] + p["b1"])
+      x = x + h @ p["w2"]
+    return jnp.mean(x ** 2)
+  return net
+
+
+def _plain_params(n, d=16, h=32, dtype=F32, odd=None):
+  return sds(d, d), _plain_blocks(n, d, h, dtype, odd)
+
+
+def _plain_blocks(n, d, h, dtype, odd):
+  out = []
+  for k in range(n):
+    dd = odd[1] if odd and k == odd[0] else h
+    out.append({"w1": sds(d, dd, dtype=dtype), "b1": sds(dd, dtype=dtype),
+                "w2": sds(dd, d, dtype=dtype)})
+  return out
+
+
+@pytest.mark.parametrize("mode", ["forward", "grad", "sgd_step"])
+def test_plain_jax_loop_without_names_folds_structurally(mode):
+  n = 6
+  net = _plain_net([jax.nn.gelu] * n)
+  params, x = _plain_params(n), sds(8, 16)
+  fn = {
+      "forward": net,
+      "grad": jax.grad(net),
+      "sgd_step": lambda p, x: optax.apply_updates(p, jax.tree.map(
+          lambda g: -0.1 * g, jax.grad(net)(p, x))),
+  }[mode]
+  f = fold(trace(fn, params, x))
+  assert f.method == "structure"
+  assert layer_shape(f) == [(n, n)]
+  if mode == "sgd_step":  # the update of block k's weights sits in instance k
+    g = f.graph
+    for k, inst in enumerate(f.instances):
+      read = {g.input_path.get(v) for i in inst.ops for v in g.ops[i].inputs} - {None}
+      assert {p for p in read if p.startswith("1/")} == {f"1/{k}/w1", f"1/{k}/b1", f"1/{k}/w2"}
+
+
+def test_one_block_with_another_activation_does_not_fold():
+  n = 6
+  acts = [jax.nn.gelu] * n
+  acts[3] = jax.nn.relu
+  f = fold(trace(jax.grad(_plain_net(acts)), _plain_params(n), sds(8, 16)))
+  # The five gelu blocks fold; the relu block (the only `max` ops) stays out of them.
+  assert layer_shape(f) == [(5, 5)]
+  in_layers = {f.graph.ops[i].primitive for inst in f.instances for i in inst.ops}
+  assert "max" not in in_layers and ("erf" in in_layers or "tanh" in in_layers)
+  glue = {f.graph.ops[i].primitive for seg in f.glue for i in seg.ops}
+  assert "max" in glue
+
+
+def test_flax_layer_with_another_activation_does_not_fold():
+  base = train_graph("gpt", num_layers=4)
+  relu = train_graph("gpt", num_layers=4, activation="relu")
+  assert (fold(base).unique_layers[0].fingerprint
+          != fold(relu).unique_layers[0].fingerprint)
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_layers_differing_in_shape_or_dtype_do_not_fold(what):
+  n = 4
+  if what == "shape":
+    params = _plain_params(n, odd=(2, 48))
+  else:
+    params = _plain_params(n)
+    params[1][2] = jax.tree.map(lambda s: sds(*s.shape, dtype=jnp.bfloat16), params[1][2])
+  f = fold(trace(_plain_net([jnp.tanh] * n), params, sds(8, 16)))
+  assert not any(len(u.instances) == n for u in f.unique_layers)
+
+
+def test_layers_differing_only_in_values_fold_together():
+  n = 4
+  net = _plain_net([jnp.tanh] * n)
+  w_in, blocks = _plain_params(n)
+  concrete = (jnp.ones(w_in.shape), [{k: jnp.full(s.shape, float(i + 1)) for k, s in p.items()}
+                                     for i, p in enumerate(blocks)])
+  f = fold(trace(net, concrete, jnp.ones((8, 16))))
+  assert layer_shape(f) == [(n, n)]
+
+
+def test_boundaries_carry_the_residual_stream():
+  f = fold(train_graph("gpt", num_layers=4))
+  assert len(f.boundaries) == 3
+  for b in f.boundaries:
+    shapes = {f.graph.types[v].shape for v in b.values}
+    assert (2, 32, 64) in shapes  # (batch, seq, d_model): activations and cotangents
+
+
+def test_summary_reports_layers_and_ratio():
+  text = fold(train_graph("gpt", num_layers=4)).summary()
+  assert "4 layer instances of 1 unique layer(s)" in text
+  assert "'Block'" in text and "fold ratio" in text and "GPT/Block_3" in text
+
+
+def test_scope_of_strips_transforms():
+  assert scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2") == ("GPT", "Block_1", "MLP", "fc2")
+  assert scope_of("jvp()") == ()

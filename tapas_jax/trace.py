@@ -28,7 +28,7 @@ import functools
 import hashlib
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -100,6 +100,8 @@ class Op:
     subregions: regions of a loop or branch op (its bodies), else ().
     site: where the equation sits: top-level equation index, then for each nesting
       level (param name, jaxpr index, equation index) flattened.
+    raw_params: the equation's own param values (jaxprs left out), for sharding rules
+      that need dimension numbers and axes as objects rather than text.
   """
 
   index: int
@@ -112,6 +114,8 @@ class Op:
   signature: str
   subregions: tuple[int, ...] = ()
   site: tuple[Any, ...] = ()
+  raw_params: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False,
+                                                    repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +363,9 @@ class _Walker:
                          inputs=inputs, outputs=outputs, name_stack=stack, region=region,
                          signature=self._signature(eqn.primitive.name, params, inputs,
                                                    outputs),
-                         subregions=tuple(subregions), site=site)
+                         subregions=tuple(subregions), site=site,
+                         raw_params={k: v for k, v in eqn.params.items()
+                                     if not jx.is_jaxpr_param(v)})
 
   def _walk_region(self, eqn, key, idx, jaxpr, op_index, parent, stack, site) -> Region:
     body, consts = jx.open_jaxpr(jaxpr)

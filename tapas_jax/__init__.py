@@ -1,7 +1,8 @@
 """tapas_jax: automatic tensor-parallel sharding for JAX, after TAPAS (arXiv 2302.00247).
 
 The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` ->
-`Folded`: unique layers and their instances), then search, plan and apply.
+`Folded`: unique layers and their instances), `search` (-> `Plan`), then apply.
+`tapas.search(fn, *args, mesh=...)` runs the first three.
 
 Example:
   >>> import tapas_jax as tapas
@@ -18,6 +19,8 @@ from tapas_jax import models
 from tapas_jax import trace
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
+from tapas_jax.plan import Plan
+from tapas_jax.search import InfeasibleBudgetError, search
 from tapas_jax.trace import Graph, TraceError
 
 __version__ = "0.1.0"
@@ -25,10 +28,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Folded",
     "Graph",
+    "InfeasibleBudgetError",
     "MeshError",
+    "Plan",
     "TraceError",
     "fold",
     "make_mesh",
     "models",
+    "search",
     "trace",
 ]

@@ -1,0 +1,154 @@
+"""Expert layouts, as plans of the same type and costed by the same model as the search.
+
+- `data_parallel`: the batch over every mesh axis, everything else replicated.
+- `fsdp`: data parallel, plus every input of the state argument stored sharded over
+  all axes on its largest divisible dim (ZeRO-3); it is gathered where it is used.
+- `megatron`: the batch over the batch axes; on the other axes, attention heads and
+  the MLP hidden dim (column-parallel, then row-parallel), found from the zoo's
+  parameter paths. This one knows the zoo; the search never does.
+
+Example:
+  >>> import tapas_jax as tapas
+  >>> from tapas_jax import baselines, models
+  >>> m = models.get_model("gpt", "tiny")
+  >>> plan = baselines.baseline("megatron", m.train_step(), m.abstract_state(),
+  ...                           m.batch_spec(8), mesh={"data": 2, "model": 4},
+  ...                           family="gpt")
+  >>> plan.name
+  'megatron'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any, Mapping
+
+from tapas_jax import cost as costlib
+from tapas_jax import fold as foldlib
+from tapas_jax import trace as tracelib
+
+__all__ = ["BASELINES", "MEGATRON_SPLITS", "baseline"]
+
+_search = __import__("tapas_jax.search", fromlist=["search"])
+
+# Parameter path pattern -> the dim Megatron splits over the model axes.
+_GPT = ((r"Attention/(query|key|value)/kernel$", 1), (r"MLP/fc1/kernel$", 1))
+MEGATRON_SPLITS: Mapping[str, tuple[tuple[str, int], ...]] = {
+    "gpt": _GPT, "gpt_nnx": _GPT, "vit": _GPT, "moe": _GPT,
+    "llama": ((r"(q_proj|k_proj|v_proj)/kernel$", 1), (r"(gate_proj|up_proj)/kernel$", 1)),
+    "llama_nnx": ((r"(q_proj|k_proj|v_proj)/kernel(/value)?$", 1),
+                  (r"(gate_proj|up_proj)/kernel(/value)?$", 1)),
+    "t5": ((r"(query|key|value)/kernel$", 1), (r"MLP/wi/kernel$", 1)),
+    "resnet": (),
+}
+BASELINES = ("data_parallel", "fsdp", "megatron")
+
+
+def _widest(problem, c: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The largest subset of `axes` (kept in order) that class c can take."""
+  best: tuple[str, ...] = ()
+  for option in problem.domains[c]:
+    if set(option) <= set(axes) and math.prod(problem.mesh.size(a) for a in option) > \
+        math.prod(problem.mesh.size(a) for a in best):
+      best = option
+  return best
+
+
+def _batch_choice(problem, axes) -> dict[int, tuple[str, ...]]:
+  return {c.index: _widest(problem, c.index, axes) for c in problem.classes if c.batch}
+
+
+def _fsdp_layouts(problem) -> dict[int, costlib.Layout]:
+  out = {}
+  axes = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
+  n = math.prod(problem.mesh.size(a) for a in axes)
+  for i in problem.graph.inputs:
+    shape = problem.graph.types[i.value].shape
+    if i.arg in problem.batch_args or not shape:
+      continue
+    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
+    if dims:
+      out[i.value] = costlib.Layout(tuple(axes if d == dims[0] else () for d in
+                                          range(len(shape))))
+  return out
+
+
+def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, ...]]:
+  if family not in MEGATRON_SPLITS:
+    raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
+                     f"known: {', '.join(sorted(MEGATRON_SPLITS))}")
+  model_axes = tuple(a for a in problem.mesh.axis_names if a not in batch_axes)
+  choice = _batch_choice(problem, batch_axes)
+  for i in problem.graph.inputs:
+    for pattern, dim in MEGATRON_SPLITS[family]:
+      if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
+        c = problem.value_class[(i.value, dim)]
+        choice[c] = _widest(problem, c, model_axes)
+  return {c: a for c, a in choice.items() if a}
+
+
+def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
+             family: str | None = None, batch_axes=None, links=None):
+  """An expert plan for `fn(*args)`, costed like a searched one.
+
+  Args:
+    name: one of `BASELINES`.
+    fn, *args: the program, as for `tapas_jax.search`.
+    mesh: Mesh, abstract mesh or dict of axis sizes.
+    device: device profile name.
+    family: zoo family name (needed by "megatron").
+    batch_axes: axes Megatron puts the batch on (default: data/batch/fsdp/replica);
+      data parallel and FSDP always use every axis.
+    links: mesh axis -> "intra"/"inter".
+
+  Raises:
+    ValueError: unknown baseline name or family.
+  """
+  if name not in BASELINES:
+    raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
+  axes = _search._mesh_axes(mesh)
+  profile = costlib.get_profile(device or _search._default_device())
+  mesh_spec = costlib.mesh_spec(axes, profile, links)
+  graph = tracelib.trace(fn, *args)
+  folded = foldlib.fold(graph)
+  start = time.perf_counter()
+  problem = _search.build_problem(graph, mesh_spec, profile, batch_axes=None)
+  every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
+  layouts = None
+  if name == "megatron":
+    if batch_axes is None:
+      batch_axes = _search._default_batch_axes(mesh_spec)
+    choice = _megatron_choice(problem, family or "", tuple(batch_axes))
+  else:
+    choice = {c: a for c, a in _batch_choice(problem, every).items() if a}
+    if name == "fsdp":
+      layouts = _fsdp_layouts(problem)
+  solution = _search.evaluate(problem, choice, input_layouts=layouts)
+  plan = _search.make_plan(problem, folded, solution, args,
+                           search_s=time.perf_counter() - start, name=name)
+  if layouts:
+    plan = _with_input_layouts(plan, problem, layouts, args)
+  return plan
+
+
+def _with_input_layouts(plan, problem, layouts, args):
+  """Replaces the in_specs of inputs stored in a fixed (FSDP) layout."""
+  import dataclasses  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  flat = []
+  for spec_tree in plan.in_specs:
+    flat.extend(jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+  for k, i in enumerate(problem.graph.inputs):
+    if i.value in layouts:
+      flat[k] = PartitionSpec(*layouts[i.value].to_partition_spec())
+  specs, k = [], 0
+  for arg in args:
+    leaves, treedef = jax.tree_util.tree_flatten(arg)
+    specs.append(jax.tree_util.tree_unflatten(treedef, flat[k:k + len(leaves)]))
+    k += len(leaves)
+  return dataclasses.replace(plan, in_specs=tuple(specs))

@@ -1,0 +1,819 @@
+"""Sharding rules: each op as an einsum over dimension *factors* (search stage input).
+
+A rule names one factor per independent dimension of an op's iteration space and
+says which dim of which operand and result each factor indexes, like the letters of
+an einsum: `dot_general` on (B, M, K) x (K, N) is `bmk,kn->bmn` with `k` summed.
+The solver picks a tuple of mesh axes for each factor (every mesh axis used at most
+once per op); that choice fixes the layout every operand must arrive in and the
+layout every result leaves in:
+
+* operand i, dim d: split over the axes of `inputs[i][d]`; None = kept whole.
+* result j, dim d: split over the axes of `outputs[j][d]`, and *partial* (an
+  un-reduced sum) over the axes of every factor in `reduce` (the consumer edge pays
+  the all-reduce or reduce-scatter; `combine` says whether partials are summed or
+  max/min/prod-combined).
+* a factor an operand lacks: that operand is replicated along its axes (each device
+  computes its own slice of the result from the full operand).
+
+Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
+indexes an operand but no result is in `reduce`; a `reduce` factor indexes no
+result; a factor indexes at most one dim of a tensor; size-1 dims are None.
+
+Splits must be even: the product of the mesh axis sizes a factor uses must divide
+`factor_sizes[f]`. For almost every factor that size is the dim it indexes; the
+exception is `reshape`, whose factor across a split or merged dim has size
+gcd(input dim, output dim), smaller than one of them (see `_reshape`).
+
+Rules are plain functions `(params, in_shapes, out_shapes) -> OpRule` registered by
+primitive name in `RULES`; `params` are the jaxpr equation's own param values
+(`Op.raw_params`). A primitive without a rule is kept replicated, with one warning.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import rules
+  >>> from tapas_jax.trace import trace
+  >>> g = trace(lambda x, w: x @ w, jax.ShapeDtypeStruct((8, 4), jnp.float32),
+  ...           jax.ShapeDtypeStruct((4, 16), jnp.float32))
+  >>> r = rules.rule_for(g, g.ops[0])
+  >>> r.einsum(), r.flops
+  ('ac,cb->ab', 1024)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import string
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from tapas_jax import cost
+
+__all__ = ["OpRule", "RULES", "Shape", "default_rule", "register", "rule_for", "rule_of"]
+
+Shape = tuple[int, ...]
+Dims = tuple[int | None, ...]
+RuleFn = Callable[[Mapping[str, Any], Sequence[Shape], Sequence[Shape]], "OpRule"]
+
+# How the partial results of a `reduce` factor combine.
+COMBINES = ("sum", "max", "min", "prod", "and", "or", "xor")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+  """Einsum-like sharding rule of one op.
+
+  Attributes:
+    factor_sizes: size of each factor (dimension variable). A split over mesh axes
+      must divide it evenly.
+    inputs: per op input, per dim: factor index, or None = that dim must stay
+      unsplit. Scalars (and literals) have no dims.
+    outputs: per op output, per dim: factor index or None.
+    reduce: factors summed or reduced away (dot_general contracting dims,
+      reduce_sum axes, the vocab dim of an embedding gather, the batch dims of an
+      embedding-gradient scatter-add): splitting one leaves every output partial
+      over its mesh axes.
+    flops: total FLOPs of the op, unsharded (dot_general 2*prod(all factors), conv
+      2*out_elems*kernel_spatial*in_features_per_group, elementwise: output
+      elements, reductions and scans: input elements, data movement: 0).
+    combine: how partial outputs of `reduce` factors combine: "sum" (also for
+      gather/scatter-add, which are masked lookups summed), "max", "min", "prod",
+      "and", "or", "xor". All cost the same all-reduce; the name is for reports
+      and for anyone materialising partials by hand.
+
+  Example:
+    >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),
+    ...            outputs=((0, 2),), reduce=(1,), flops=2 * 8 * 4 * 16)
+    >>> r.einsum()
+    'ab,bc->ac'
+  """
+
+  factor_sizes: tuple[int, ...]
+  inputs: tuple[Dims, ...]
+  outputs: tuple[Dims, ...]
+  reduce: tuple[int, ...] = ()
+  flops: int = 0
+  combine: str = "sum"
+
+  def __post_init__(self):
+    n = len(self.factor_sizes)
+    in_factors, out_factors = set(), set()
+    for group, seen in ((self.inputs, in_factors), (self.outputs, out_factors)):
+      for dims in group:
+        used = [f for f in dims if f is not None]
+        if len(used) != len(set(used)) or any(not 0 <= f < n for f in used):
+          raise ValueError(f"OpRule: bad factors {dims} for {n} factors: each factor "
+                           "indexes at most one dim of a tensor")
+        seen.update(used)
+    red = set(self.reduce)
+    if red & out_factors:
+      raise ValueError(f"OpRule: reduce factors {sorted(red & out_factors)} index an "
+                       "output")
+    if in_factors - out_factors - red:
+      raise ValueError(f"OpRule: factors {sorted(in_factors - out_factors - red)} index "
+                       "inputs only; add them to reduce or use None")
+    if self.combine not in COMBINES:
+      raise ValueError(f"OpRule: combine {self.combine!r} is not one of {COMBINES}")
+
+  @property
+  def num_factors(self) -> int:
+    return len(self.factor_sizes)
+
+  def einsum(self) -> str:
+    """The rule as einsum text: one letter per factor, `_` for an unsplittable dim.
+
+    Letters follow factor order; reduce factors are the ones missing on the right.
+
+    Example:
+      >>> OpRule((4, 3), inputs=((0, None), (1,)), outputs=((0, 1),)).einsum()
+      'a_,b->ab'
+    """
+    letters = string.ascii_letters
+    if self.num_factors > len(letters):
+      return f"<{self.num_factors} factors>"
+
+    def text(dims: Dims) -> str:
+      return "".join("_" if f is None else letters[f] for f in dims)
+
+    return (",".join(text(d) for d in self.inputs) + "->" +
+            ",".join(text(d) for d in self.outputs))
+
+  def layouts(self, assignment: Mapping[int, Sequence[str]]
+              ) -> tuple[tuple[cost.Layout, ...], tuple[cost.Layout, ...]]:
+    """(input layouts, output layouts) when factor f is split over `assignment[f]`.
+
+    Factors missing from `assignment` stay unsplit. Outputs are partial over the
+    axes of the split `reduce` factors.
+
+    Raises:
+      ValueError: a mesh axis is used by two factors.
+
+    Example:
+      >>> r = OpRule((8, 4, 16), ((0, 1), (1, 2)), ((0, 2),), reduce=(1,))
+      >>> ins, outs = r.layouts({0: ("data",), 1: ("model",)})
+      >>> ins[1].to_partition_spec(), outs[0].partial
+      (('model', None), ('model',))
+    """
+    axes_of = {f: tuple(axes) for f, axes in assignment.items() if axes}
+    used = [a for axes in axes_of.values() for a in axes]
+    if len(used) != len(set(used)):
+      raise ValueError(f"assignment {dict(assignment)} uses a mesh axis twice")
+
+    def layout(dims: Dims, partial: tuple[str, ...] = ()) -> cost.Layout:
+      return cost.Layout(tuple(axes_of.get(f, ()) if f is not None else ()
+                               for f in dims), partial=partial)
+
+    partial = tuple(a for f in self.reduce for a in axes_of.get(f, ()))
+    return (tuple(layout(d) for d in self.inputs),
+            tuple(layout(d, partial) for d in self.outputs))
+
+  def flops_per_device(self, assignment: Mapping[int, Sequence[str]],
+                       axis_sizes: Mapping[str, int]) -> float:
+    """FLOPs one device runs: every factor splits the iteration space.
+
+    Example:
+      >>> r = OpRule((8, 4, 16), ((0, 1), (1, 2)), ((0, 2),), reduce=(1,), flops=1024)
+      >>> r.flops_per_device({0: ("data",), 1: ("model",)}, {"data": 2, "model": 4})
+      128.0
+    """
+    shards = math.prod(axis_sizes[a] for axes in assignment.values() for a in axes)
+    return self.flops / shards
+
+
+# -- building rules ---------------------------------------------------------------
+
+
+class _Factors:
+  """Hands out factor indices; dims of size <= 1 get None (nothing to split)."""
+
+  def __init__(self):
+    self.sizes: list[int] = []
+
+  def new(self, size: int) -> int | None:
+    if size <= 1:
+      return None
+    self.sizes.append(int(size))
+    return len(self.sizes) - 1
+
+  def rule(self, inputs: Iterable[Iterable[int | None]],
+           outputs: Iterable[Iterable[int | None]], reduce: Iterable[int | None] = (),
+           flops: int = 0, combine: str = "sum") -> OpRule:
+    return OpRule(factor_sizes=tuple(self.sizes),
+                  inputs=tuple(tuple(d) for d in inputs),
+                  outputs=tuple(tuple(d) for d in outputs),
+                  reduce=tuple(f for f in reduce if f is not None),
+                  flops=int(flops), combine=combine)
+
+
+def _size(shape: Shape) -> int:
+  return math.prod(shape)
+
+
+def _unsplit(shapes: Sequence[Shape]) -> tuple[Dims, ...]:
+  return tuple((None,) * len(s) for s in shapes)
+
+
+def _norm_axis(axis: int, rank: int) -> int:
+  return axis + rank if axis < 0 else axis
+
+
+def default_rule(in_shapes: Sequence[Shape], out_shapes: Sequence[Shape]) -> OpRule:
+  """Every dim unsplit: operands replicated, results replicated.
+
+  Example:
+    >>> default_rule([(4, 8)], [(8,)]).einsum()
+    '__->_'
+  """
+  return OpRule((), _unsplit(in_shapes), _unsplit(out_shapes))
+
+
+RULES: dict[str, RuleFn] = {}
+
+
+def register(*primitives: str) -> Callable[[RuleFn], RuleFn]:
+  """Decorator: registers a rule function for the named primitives.
+
+  Example:
+    >>> @register("my_identity")
+    ... def _identity(params, ins, outs):
+    ...   return _elementwise(params, ins, outs)
+    >>> rule_of("my_identity", {}, [(4,)], [(4,)]).einsum()
+    'a->a'
+    >>> del RULES["my_identity"]
+  """
+
+  def deco(fn: RuleFn) -> RuleFn:
+    for name in primitives:
+      RULES[name] = fn
+    return fn
+
+  return deco
+
+
+# -- elementwise and identity-like ------------------------------------------------
+
+
+def _aligned(shape: Shape, ref: Shape, ref_dims: Dims) -> Dims:
+  """Dims of an operand broadcast against `ref` (trailing-aligned, numpy style)."""
+  if len(shape) > len(ref):
+    return (None,) * len(shape)
+  lead = len(ref) - len(shape)
+  return tuple(ref_dims[lead + d] if size == ref[lead + d] else None
+               for d, size in enumerate(shape))
+
+
+_ELEMENTWISE = (
+    # arithmetic and math
+    "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clamp", "complex", "conj", "cos", "cosh", "div", "exp", "exp2",
+    "expm1", "floor", "imag", "integer_pow", "is_finite", "log", "log1p", "logistic",
+    "max", "min", "mul", "mulhi", "neg", "nextafter", "pow", "real", "reduce_precision",
+    "rem", "round", "rsqrt", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
+    "tanh",
+    # special functions
+    "bessel_i0e", "bessel_i1e", "digamma", "erf", "erf_inv", "erfc", "igamma",
+    "igamma_grad_a", "igammac", "lgamma", "polygamma", "regularized_incomplete_beta",
+    "zeta", "random_gamma_grad",
+    # comparisons, logic, bits
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
+    # selection and conversion
+    "select_n", "convert_element_type", "bitcast_convert_type",
+    # counter-based RNG is elementwise in its counters, so dropout masks can shard
+    "threefry2x32",
+)
+# Same maps, but pure data movement (no FLOPs).
+_IDENTITY = ("copy", "copy_p", "stop_gradient", "optimization_barrier", "device_put",
+             "sharding_constraint", "pvary")
+
+
+@register(*_ELEMENTWISE)
+def _elementwise(params, ins, outs, flops: bool = True) -> OpRule:
+  """One factor per output dim; broadcast (size-1) and scalar operand dims stay None."""
+  del params
+  ref = outs[0]
+  f = _Factors()
+  ref_dims = tuple(f.new(s) for s in ref)
+  return f.rule([_aligned(s, ref, ref_dims) for s in ins],
+                [_aligned(s, ref, ref_dims) for s in outs],
+                flops=_size(ref) if flops else 0)
+
+
+@register(*_IDENTITY)
+def _identity(params, ins, outs) -> OpRule:
+  """Operand i flows to result i unchanged (optimization_barrier has several)."""
+  if len(ins) == len(outs) and all(a == b for a, b in zip(ins, outs)):
+    f = _Factors()
+    dims = [tuple(f.new(s) for s in shape) for shape in outs]
+    return f.rule(dims, dims)
+  return _elementwise(params, ins, outs, flops=False)
+
+
+# -- contractions -----------------------------------------------------------------
+
+
+@register("dot_general")
+def _dot_general(params, ins, outs) -> OpRule:
+  """Batch factors on both sides and the result, free factors, contracting = reduce.
+
+  Result dims are ordered batch, lhs free, rhs free (the dot_general convention).
+  """
+  (lc, rc), (lb, rb) = params["dimension_numbers"]
+  lhs, rhs = ins[0], ins[1]
+  f = _Factors()
+  lhs_dims: list[int | None] = [None] * len(lhs)
+  rhs_dims: list[int | None] = [None] * len(rhs)
+  out_dims: list[int | None] = []
+  for l, r in zip(lb, rb):
+    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
+    out_dims.append(lhs_dims[l])
+  for shape, dims, skip in ((lhs, lhs_dims, {*lc, *lb}), (rhs, rhs_dims, {*rc, *rb})):
+    for d, size in enumerate(shape):
+      if d not in skip:
+        dims[d] = f.new(size)
+        out_dims.append(dims[d])
+  contracting = []
+  for l, r in zip(lc, rc):
+    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
+    contracting.append(lhs_dims[l])
+  flops = 2 * _size(outs[0]) * math.prod(lhs[l] for l in lc)
+  return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
+
+
+def _conv_specs(params, rank: int):
+  dn = params.get("dimension_numbers")
+  if dn is None:  # lax default: NC..., OI..., NC...
+    spec = tuple(range(rank))
+    return spec, spec, spec
+  return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+
+
+@register("conv_general_dilated")
+def _conv(params, ins, outs) -> OpRule:
+  """Batch and output features pass, input features are contracted, spatial unsplit.
+
+  Specs are (batch, feature, *spatial) for lhs/out and (out feature, in feature,
+  *spatial) for rhs, read from `dimension_numbers`, so the weight-gradient convs of
+  the backward pass (which put the image batch in the lhs *feature* slot) come out
+  as `N` contracted: the kernel gradient is partial over the data axes.
+
+  Grouped convs: with feature_group_count > 1 the features are unsplit, except the
+  depthwise case (groups == in features == out features), where one factor runs
+  through lhs features, rhs out features and out features. With batch_group_count
+  > 1 (per-group weight gradients) the batch and output-feature dims are unsplit.
+  """
+  lhs, rhs, out = ins[0], ins[1], outs[0]
+  ls, rs, os_ = _conv_specs(params, len(lhs))
+  groups = int(params.get("feature_group_count", 1))
+  batch_groups = int(params.get("batch_group_count", 1))
+  f = _Factors()
+  lhs_dims: list[int | None] = [None] * len(lhs)
+  rhs_dims: list[int | None] = [None] * len(rhs)
+  out_dims: list[int | None] = [None] * len(out)
+  reduce = []
+  if batch_groups == 1:
+    lhs_dims[ls[0]] = out_dims[os_[0]] = f.new(lhs[ls[0]])
+  if groups == 1:
+    lhs_dims[ls[1]] = rhs_dims[rs[1]] = f.new(lhs[ls[1]])
+    reduce.append(lhs_dims[ls[1]])
+    if batch_groups == 1:
+      rhs_dims[rs[0]] = out_dims[os_[1]] = f.new(rhs[rs[0]])
+  elif groups == lhs[ls[1]] == rhs[rs[0]] and rhs[rs[1]] == 1 and batch_groups == 1:
+    lhs_dims[ls[1]] = rhs_dims[rs[0]] = out_dims[os_[1]] = f.new(lhs[ls[1]])
+  kernel_spatial = math.prod(rhs[d] for d in rs[2:])
+  flops = 2 * _size(out) * kernel_spatial * rhs[rs[1]]
+  return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=reduce, flops=flops)
+
+
+# -- shape ops --------------------------------------------------------------------
+
+
+@register("broadcast_in_dim")
+def _broadcast_in_dim(params, ins, outs) -> OpRule:
+  """Operand dims map via broadcast_dimensions; new and expanded dims are output-only."""
+  out = outs[0]
+  bdims = tuple(params["broadcast_dimensions"])
+  f = _Factors()
+  out_dims = tuple(f.new(s) for s in out)
+  operand = tuple(out_dims[o] if size == out[o] else None
+                  for size, o in zip(ins[0], bdims))
+  # Trailing operands (dynamic shapes) are scalars.
+  return f.rule([operand] + list(_unsplit(ins[1:])), [out_dims])
+
+
+def _reshape_blocks(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]] | None:
+  """Minimal groups of non-1 dims of `a` and `b` with equal products, major to minor."""
+  ia = [d for d, s in enumerate(a) if s != 1]
+  ib = [d for d, s in enumerate(b) if s != 1]
+  blocks, i, j = [], 0, 0
+  while i < len(ia) and j < len(ib):
+    ga, gb = [ia[i]], [ib[j]]
+    pa, pb = a[ia[i]], b[ib[j]]
+    i, j = i + 1, j + 1
+    while pa != pb:
+      if pa < pb and i < len(ia):
+        ga.append(ia[i])
+        pa *= a[ia[i]]
+        i += 1
+      elif pb < pa and j < len(ib):
+        gb.append(ib[j])
+        pb *= b[ib[j]]
+        j += 1
+      else:
+        return None
+    blocks.append((ga, gb))
+  return blocks if i == len(ia) and j == len(ib) else None
+
+
+@register("reshape")
+def _reshape(params, ins, outs) -> OpRule:
+  """Only the major-most dim of each block of merged/split dims can be split.
+
+  Group the non-1 dims into minimal blocks with equal products, e.g.
+  (B, L, H*D) -> (B, L, H, D) is [B]->[B], [L]->[L], [H*D]->[H, D]. A block that is
+  one dim on both sides passes whole. Otherwise splitting the major dim of either
+  side k ways cuts the block's flat range into the same k contiguous chunks, so the
+  two major dims can share a factor when k divides both: the factor's size is
+  gcd(in_major, out_major) (H in the example; H*D -> H, D only splits H, never D).
+  Minor dims of a block, size-1 dims, a gcd of 1 and reshapes with a `dimensions`
+  permutation stay unsplit.
+  """
+  a, b = ins[0], outs[0]
+  blocks = None if params.get("dimensions") is not None else _reshape_blocks(a, b)
+  if blocks is None or 0 in a:
+    return default_rule(ins, outs)
+  f = _Factors()
+  in_dims: list[int | None] = [None] * len(a)
+  out_dims: list[int | None] = [None] * len(b)
+  for ga, gb in blocks:
+    in_dims[ga[0]] = out_dims[gb[0]] = f.new(math.gcd(a[ga[0]], b[gb[0]]))
+  return f.rule([in_dims] + list(_unsplit(ins[1:])), [out_dims])
+
+
+@register("transpose")
+def _transpose(params, ins, outs) -> OpRule:
+  perm = tuple(params["permutation"])
+  f = _Factors()
+  in_dims = tuple(f.new(s) for s in ins[0])
+  return f.rule([in_dims], [tuple(in_dims[p] for p in perm)])
+
+
+@register("squeeze")
+def _squeeze(params, ins, outs) -> OpRule:
+  rank = len(ins[0])
+  gone = {_norm_axis(d, rank) for d in params["dimensions"]}
+  f = _Factors()
+  in_dims = tuple(None if d in gone else f.new(s) for d, s in enumerate(ins[0]))
+  return f.rule([in_dims], [tuple(x for d, x in enumerate(in_dims) if d not in gone)])
+
+
+@register("expand_dims")
+def _expand_dims(params, ins, outs) -> OpRule:
+  rank = len(outs[0])
+  new = {_norm_axis(d, rank) for d in params["dimensions"]}
+  f = _Factors()
+  in_dims = tuple(f.new(s) for s in ins[0])
+  kept = iter(in_dims)
+  return f.rule([in_dims], [tuple(None if d in new else next(kept) for d in range(rank))])
+
+
+@register("iota")
+def _iota(params, ins, outs) -> OpRule:
+  """Output-only factors: each device writes its own slice of the ramp."""
+  del params
+  f = _Factors()
+  return f.rule(_unsplit(ins), [tuple(f.new(s) for s in outs[0])])
+
+
+# -- ops that keep some dims whole ------------------------------------------------
+
+
+def _pass_except(ins, outs, pinned: Iterable[int], ref: Shape, flops: int = 0) -> OpRule:
+  """One factor per dim of `ref` for every tensor of its rank; `pinned` dims stay None.
+
+  Dims whose size differs between those tensors (slices, pads, concatenations,
+  windows) are pinned too, so touched dims never split. Tensors of another rank
+  (scalar start indices, padding values) stay unsplit.
+  """
+  rank = len(ref)
+  pinned = {_norm_axis(d, rank) for d in pinned}
+  same_rank = [s for s in list(ins) + list(outs) if len(s) == rank]
+  pinned |= {d for d in range(rank) if len({s[d] for s in same_rank}) > 1}
+  f = _Factors()
+  factors = tuple(None if d in pinned else f.new(ref[d]) for d in range(rank))
+
+  def dims(shape: Shape) -> Dims:
+    return factors if len(shape) == rank else (None,) * len(shape)
+
+  return f.rule([dims(s) for s in ins], [dims(s) for s in outs], flops=flops)
+
+
+@register("cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin")
+def _cumulative(params, ins, outs) -> OpRule:
+  return _pass_except(ins, outs, [params["axis"]], ins[0], flops=_size(ins[0]))
+
+
+@register("sort")
+def _sort(params, ins, outs) -> OpRule:
+  """All operands sort together along `dimension` (argsort carries an iota)."""
+  n = ins[0][_norm_axis(params["dimension"], len(ins[0]))]
+  flops = _size(ins[0]) * max(1, math.ceil(math.log2(max(n, 2))))
+  return _pass_except(ins, outs, [params["dimension"]], ins[0], flops=flops)
+
+
+@register("top_k", "approx_top_k")
+def _top_k(params, ins, outs) -> OpRule:
+  axis = params.get("axis", params.get("reduction_dimension", -1))
+  n = ins[0][_norm_axis(axis, len(ins[0]))]
+  flops = _size(ins[0]) * max(1, math.ceil(math.log2(max(n, 2))))
+  return _pass_except(ins, outs, [axis], ins[0], flops=flops)
+
+
+@register("concatenate")
+def _concatenate(params, ins, outs) -> OpRule:
+  return _pass_except(ins, outs, [params["dimension"]], outs[0])
+
+
+@register("split")
+def _split(params, ins, outs) -> OpRule:
+  return _pass_except(ins, outs, [params["axis"]], ins[0])
+
+
+@register("rev")
+def _rev(params, ins, outs) -> OpRule:
+  return _pass_except(ins, outs, params["dimensions"], ins[0])
+
+
+@register("pad")
+def _pad(params, ins, outs) -> OpRule:
+  """Padded dims (any low, high or interior padding, negative included) stay whole."""
+  config = params["padding_config"]
+  padded = [d for d, cfg in enumerate(config) if any(int(c) for c in cfg)]
+  return _pass_except(ins, outs, padded, ins[0])
+
+
+@register("slice")
+def _slice(params, ins, outs) -> OpRule:
+  """Dims the slice cuts (size changes) stay whole; the size check pins them."""
+  del params
+  return _pass_except(ins, outs, [], ins[0])
+
+
+@register("dynamic_slice", "dynamic_update_slice")
+def _dynamic_slice(params, ins, outs) -> OpRule:
+  """Dims where the slice (or update) is smaller than the operand stay whole."""
+  del params
+  return _pass_except(ins, outs, [], ins[0])
+
+
+def _window_pinned(params, rank: int) -> list[int]:
+  """Dims a window op touches: non-trivial window, stride, padding or dilation."""
+  trivial = {"window_dimensions": 1, "window_strides": 1, "base_dilation": 1,
+             "window_dilation": 1}
+  pinned = set()
+  for key, unit in trivial.items():
+    pinned |= {d for d, v in enumerate(params.get(key) or ()) if v != unit}
+  padding = params.get("padding") or ()
+  pinned |= {d for d, pad in enumerate(padding) if tuple(pad) != (0, 0)}
+  return sorted(d for d in pinned if d < rank)
+
+
+@register("reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")
+def _reduce_window(params, ins, outs) -> OpRule:
+  """Pooling: dims with a trivial window (batch, channels) pass, spatial stay whole."""
+  window = math.prod(params.get("window_dimensions") or (1,))
+  return _pass_except(ins, outs, _window_pinned(params, len(ins[0])), ins[0],
+                      flops=_size(outs[0]) * window)
+
+
+@register("select_and_scatter_add", "select_and_gather_add", "select_and_scatter")
+def _select_and_scatter(params, ins, outs) -> OpRule:
+  """Max-pool gradients: like pooling, keyed on the un-pooled operand's rank."""
+  ref = max(list(ins) + list(outs), key=_size)
+  window = math.prod(params.get("window_dimensions") or (1,))
+  return _pass_except(ins, outs, _window_pinned(params, len(ref)), ref,
+                      flops=min(_size(s) for s in ins) * window)
+
+
+# -- reductions -------------------------------------------------------------------
+
+
+def _reduction(params, ins, outs, combine: str | None) -> OpRule:
+  """Kept dims pass; reduced dims are `reduce` factors, or None when `combine` is None."""
+  shape = ins[0]
+  axes = {_norm_axis(a, len(shape)) for a in params["axes"]}
+  f = _Factors()
+  in_dims, out_dims, reduced = [], [], []
+  for d, size in enumerate(shape):
+    if d in axes:
+      in_dims.append(f.new(size) if combine else None)
+      reduced.append(in_dims[-1])
+    else:
+      in_dims.append(f.new(size))
+      out_dims.append(in_dims[-1])
+  return f.rule([in_dims], [out_dims], reduce=reduced, flops=_size(shape),
+                combine=combine or "sum")
+
+
+_REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+               "reduce_prod": "prod", "reduce_and": "and", "reduce_or": "or",
+               "reduce_xor": "xor"}
+for _name, _combine in _REDUCTIONS.items():
+  register(_name)(functools.partial(_reduction, combine=_combine))
+
+
+@register("argmax", "argmin")
+def _arg_reduction(params, ins, outs) -> OpRule:
+  """The searched dim stays whole: partial (value, index) pairs are not a sum."""
+  return _reduction(params, ins, outs, None)
+
+
+# -- gather and scatter -----------------------------------------------------------
+
+
+@register("gather")
+def _gather(params, ins, outs) -> OpRule:
+  """Derived from GatherDimensionNumbers (indices' last dim is the index vector).
+
+  * index batch dims pass to the result's batch dims (and to the operand's
+    `operand_batching_dims`, take_along_axis style);
+  * operand dims sliced whole (and not indexed) pass to the result's offset dims;
+    partially sliced offset dims are output-only (each device slices its part from
+    a replicated operand);
+  * collapsed, indexed operand dims (the vocab dim of an embedding lookup, the
+    class dim of a loss's label gather) are `reduce`: each device looks up only
+    the rows it holds, zero elsewhere, and the partial results sum;
+  * everything else (the index vector dim, partially sliced indexed dims) is None.
+  """
+  dn = params["dimension_numbers"]
+  operand, indices, out = ins[0], ins[1], outs[0]
+  slice_sizes = tuple(params["slice_sizes"])
+  f = _Factors()
+  op_dims: list[int | None] = [None] * len(operand)
+  idx_dims: list[int | None] = [None] * len(indices)
+  out_dims: list[int | None] = [None] * len(out)
+  out_batch = [d for d in range(len(out)) if d not in dn.offset_dims]
+  for k, od in zip(range(len(indices) - 1), out_batch):
+    idx_dims[k] = out_dims[od] = f.new(out[od])
+    if k in dn.start_indices_batching_dims:
+      od_operand = dn.operand_batching_dims[dn.start_indices_batching_dims.index(k)]
+      if operand[od_operand] == out[od]:
+        op_dims[od_operand] = idx_dims[k]
+      else:
+        idx_dims[k] = out_dims[od] = None
+  window = [d for d in range(len(operand))
+            if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+  for d, od in zip(window, dn.offset_dims):
+    out_dims[od] = f.new(out[od])
+    if slice_sizes[d] == operand[d] and d not in dn.start_index_map:
+      op_dims[d] = out_dims[od]
+  reduce = []
+  for d in dn.collapsed_slice_dims:
+    if d in dn.start_index_map:
+      op_dims[d] = f.new(operand[d])
+      reduce.append(op_dims[d])
+  return f.rule([op_dims, idx_dims], [out_dims], reduce=reduce)
+
+
+def _scatter(params, ins, outs, summing: bool) -> OpRule:
+  """Derived from ScatterDimensionNumbers; inputs are (operand, indices, updates).
+
+  * operand batching dims pass through operand, indices, updates and result;
+  * operand window dims the updates cover whole (and not indexed) pass;
+  * inserted, indexed operand dims (the vocab dim of an embedding gradient) pass
+    on operand and result: each device applies only the updates landing in its
+    rows, so indices and updates are replicated along them;
+  * scatter-add only: the other index batch dims (batch and sequence of an
+    embedding gradient) are `reduce`: each device scatters its own updates and the
+    partial results sum. The operand then counts once (one device adds it, the
+    others add zero), which the partitioner does for free;
+  * everything else stays None (overwrite/mul/min/max scatters never reduce).
+  """
+  dn = params["dimension_numbers"]
+  operand, indices, updates = ins[0], ins[1], ins[2]
+  f = _Factors()
+  op_dims: list[int | None] = [None] * len(operand)
+  idx_dims: list[int | None] = [None] * len(indices)
+  upd_dims: list[int | None] = [None] * len(updates)
+  reduce = []
+  upd_scatter = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+  for k, ud in enumerate(upd_scatter):
+    if k in dn.scatter_indices_batching_dims:
+      od = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(k)]
+      if operand[od] == updates[ud]:
+        op_dims[od] = idx_dims[k] = upd_dims[ud] = f.new(updates[ud])
+    elif summing:
+      idx_dims[k] = upd_dims[ud] = f.new(updates[ud])
+      reduce.append(idx_dims[k])
+  window = [d for d in range(len(operand))
+            if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+  for d, ud in zip(window, dn.update_window_dims):
+    if updates[ud] == operand[d] and d not in dn.scatter_dims_to_operand_dims:
+      op_dims[d] = upd_dims[ud] = f.new(operand[d])
+  for d in dn.inserted_window_dims:
+    if d in dn.scatter_dims_to_operand_dims:
+      op_dims[d] = f.new(operand[d])
+  extra = _unsplit(ins[3:])
+  return f.rule([op_dims, idx_dims, upd_dims, *extra], [op_dims] * len(outs),
+                reduce=reduce,
+                flops=_size(updates) if summing else 0)
+
+
+register("scatter-add", "scatter-sub")(functools.partial(_scatter, summing=True))
+register("scatter", "scatter-mul", "scatter-min", "scatter-max")(
+    functools.partial(_scatter, summing=False))
+
+
+# -- lookup -----------------------------------------------------------------------
+
+# Primitives known to have no useful split: kept replicated without a warning.
+_REPLICATED = ("rng_bit_generator", "rng_uniform", "random_bits", "random_seed",
+               "random_wrap", "random_unwrap", "random_fold_in", "random_split",
+               "random_clone", "create_token", "after_all")
+
+
+def _replicated(params, ins, outs) -> OpRule:
+  del params
+  return default_rule(ins, outs)
+
+
+register(*_REPLICATED)(_replicated)
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(primitive: str, why: str) -> None:
+  if primitive not in _WARNED:
+    _WARNED.add(primitive)
+    warnings.warn(f"tapas_jax.rules: {why} for primitive '{primitive}'; its operands "
+                  "and results are kept replicated.", stacklevel=3)
+
+
+def rule_of(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Any],
+            out_shapes: Sequence[Any], *, loop: bool = False) -> OpRule:
+  """The rule of one equation, from its primitive, param values and shapes.
+
+  Args:
+    primitive: primitive name, e.g. "dot_general".
+    params: the equation's param values (`Op.raw_params`).
+    in_shapes: operand shapes: tuples, or anything with `.shape` (`TensorType`,
+      `jax.ShapeDtypeStruct`).
+    out_shapes: result shapes, likewise.
+    loop: the op owns sub-jaxprs the solver handles itself (scan, while, cond):
+      without a registered rule it is replicated silently.
+
+  Returns:
+    The registered rule, or every dim unsplit (one warning per primitive) when the
+    primitive has no rule or its rule fails on these params.
+
+  Example:
+    >>> rule_of("reduce_sum", {"axes": (1,)}, [(8, 4)], [(8,)]).einsum()
+    'ab->a'
+  """
+  ins = [_shape(s) for s in in_shapes]
+  outs = [_shape(s) for s in out_shapes]
+  fn = RULES.get(primitive)
+  if fn is None:
+    if not loop:
+      _warn_once(primitive, "no sharding rule")
+    return default_rule(ins, outs)
+  try:
+    rule = fn(params, ins, outs)
+    _check_arity(rule, ins, outs)
+  except Exception as e:  # noqa: BLE001 - an odd equation must not stop the search
+    _warn_once(primitive, f"the sharding rule failed ({type(e).__name__}: {e})")
+    return default_rule(ins, outs)
+  return rule
+
+
+def _shape(s: Any) -> Shape:
+  return tuple(int(d) for d in getattr(s, "shape", s))
+
+
+def _check_arity(rule: OpRule, ins: Sequence[Shape], outs: Sequence[Shape]) -> None:
+  ranks = ([len(d) for d in rule.inputs], [len(d) for d in rule.outputs])
+  if ranks != ([len(s) for s in ins], [len(s) for s in outs]):
+    raise ValueError(f"rule ranks {ranks} do not fit shapes {ins} -> {outs}")
+
+
+def rule_for(graph: Any, op: Any) -> OpRule:
+  """The sharding rule of `op` in `graph` (a `tapas_jax.trace.Graph`).
+
+  Looks the primitive up in `RULES` with the op's `raw_params` and the types of
+  its inputs and outputs. Loop and branch ops (`op.subregions`) without a rule are
+  replicated silently: the solver handles their bodies itself.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tapas_jax.trace import trace
+    >>> g = trace(lambda x: jnp.sum(x, axis=1), jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    >>> r = rule_for(g, g.ops[0])
+    >>> r.einsum(), r.reduce
+    ('ab->a', (1,))
+  """
+  ins = [graph.types[v] for v in op.inputs]
+  outs = [graph.types[v] for v in op.outputs]
+  return rule_of(op.primitive, getattr(op, "raw_params", None) or {}, ins, outs,
+                 loop=bool(op.subregions))

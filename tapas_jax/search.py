@@ -1,0 +1,1002 @@
+"""Stage 3, search: `Folded` -> `Plan`, the sharding that minimises predicted step time.
+
+Formulation. Every op's sharding rule (`rules.py`) names its dimensions as factors.
+Factors joined through a value (a producer's output dim is a consumer's input dim)
+are one *dimension class*, the automatic counterpart of flax's logical axes: the
+residual width of every layer, the batch, one layer's heads, another layer's MLP
+hidden. A plan gives each class a set of mesh axes (its domain: subsets of axes whose
+sizes divide it; the batch class only takes `batch_axes`). Two classes may share an
+axis (Megatron puts heads and MLP hidden both on `model`) unless one op or tensor
+holds both.
+
+Cost = sum over ops of compute (FLOPs / shards / peak) and the collectives on its input
+edges (`cost.reshard` from the producer's layout, partial sums included, to the layout
+the op needs), plus state carried from outputs back to inputs. Each op's cost depends
+only on the few classes it touches, so the objective is a sum of small tables over
+class variables, minimised exactly by variable elimination (min-sum). A memory budget
+enters as a Lagrange weight on per-device state bytes, tuned by bisection.
+
+Folding: ops of instances of one unique layer have identical tables, so with
+`fold=True` each table is built once per unique layer and reused for every instance
+(and for structurally identical ops elsewhere); `fold=False` builds every op's table
+on its own. Both minimise the same objective and reach the same value.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import tapas_jax as tapas
+  >>> def loss(w, x):
+  ...   return jnp.sum(jnp.tanh(x @ w) ** 2)
+  >>> plan = tapas.search(loss, jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+  ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32),
+  ...                     mesh={"data": 8}, device="h100")
+  >>> plan.in_specs[1]
+  P('data', None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tapas_jax import cost as costlib
+from tapas_jax import rules as ruleslib
+from tapas_jax.fold import Folded
+from tapas_jax.trace import Graph, Op
+
+__all__ = ["DimClass", "InfeasibleBudgetError", "Problem", "Solution", "build_problem",
+           "evaluate", "search", "solve"]
+
+DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
+# Ops linear in their inputs: partial sums pass through them unreduced when every
+# operand is partial over the same classes (Megatron's backward sums dx of q, k and v
+# before one all-reduce). Ops that grow the tensor (broadcast) are left out: reducing
+# first is cheaper there.
+_LINEAR = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "transpose",
+                     "reshape", "reduce_sum", "copy", "squeeze", "expand_dims"})
+# Elimination tables above this many entries mean the class graph is too entangled
+# for exact elimination; the search then refuses rather than run for hours.
+_MAX_TABLE = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class DimClass:
+  """One dimension class: tensor dims that must be split alike.
+
+  Attributes:
+    index: class id.
+    size: the dimension size shared by its members.
+    batch: holds dim 0 of a batch argument.
+    splittable: False when one op or tensor holds it twice, or sizes disagree.
+    example: a readable member, e.g. "params/Block_0/MLP/fc1/kernel[1]".
+  """
+
+  index: int
+  size: int
+  batch: bool
+  splittable: bool
+  example: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The search problem over dimension classes.
+
+  Attributes:
+    graph: the traced program.
+    mesh: mesh axes, sizes and links.
+    profile: device profile.
+    classes: every dimension class.
+    domains: per class, the allowed tuples of mesh axes (major to minor).
+    value_class: (value id, dim) -> class id, for every top-level value dim.
+    rules: op index -> its sharding rule (top-level ops).
+    state_pairs: (output value, input value) of state carried to the next step.
+    batch_args: positional arguments whose leaves' dim 0 is the batch.
+  """
+
+  graph: Graph
+  mesh: costlib.MeshSpec
+  profile: costlib.DeviceProfile
+  classes: tuple[DimClass, ...]
+  domains: tuple[tuple[tuple[str, ...], ...], ...]
+  value_class: Mapping[tuple[int, int], int]
+  rules: Mapping[int, ruleslib.OpRule]
+  state_pairs: tuple[tuple[int, int], ...]
+  batch_args: tuple[int, ...]
+
+  def layout(self, value: int, choice: Mapping[int, tuple[str, ...]]) -> costlib.Layout:
+    """Layout of a graph input under a class choice."""
+    rank = len(self.graph.types[value].shape)
+    return costlib.Layout(tuple(choice.get(self.value_class[(value, d)], ())
+                                for d in range(rank)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+  """A solved problem.
+
+  Attributes:
+    choice: class id -> mesh axes.
+    step_s: predicted compute + communication seconds per step.
+    comm_bytes: bytes sent per device per step, summed over collectives.
+    state_bytes: per-device bytes of the program's inputs under the plan.
+    tables_built: op cost tables computed (not reused).
+    solve_s: seconds spent.
+    memory_weight: final Lagrange weight on state bytes (0 without a budget).
+    status: "optimal", or "time_limit" when the integer program stopped early.
+  """
+
+  choice: Mapping[int, tuple[str, ...]]
+  step_s: float
+  comm_bytes: float
+  state_bytes: float
+  tables_built: int
+  solve_s: float
+  memory_weight: float
+  status: str = "optimal"
+
+
+class InfeasibleBudgetError(ValueError):
+  """No plan fits the memory budget."""
+
+
+class _TooEntangled(RuntimeError):
+  """Variable elimination would build too large a table; use the integer program."""
+
+
+# -- building the problem ----------------------------------------------------------
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: list[int] = []
+
+  def add(self) -> int:
+    self.parent.append(len(self.parent))
+    return len(self.parent) - 1
+
+  def find(self, x: int) -> int:
+    root = x
+    while self.parent[root] != root:
+      root = self.parent[root]
+    while self.parent[x] != root:
+      self.parent[x], x = root, self.parent[x]
+    return root
+
+  def union(self, a: int, b: int) -> None:
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def _default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
+  return tuple(a for a in mesh.axis_names if a in DEFAULT_BATCH_AXIS_NAMES)
+
+
+def _state_pairs(graph: Graph) -> tuple[tuple[int, int], ...]:
+  """Outputs that are the next step's value of an input: same path after the tuple index."""
+  by_path = {i.path: i.value for i in graph.inputs}
+  pairs = []
+  for v, path in zip(graph.outputs, graph.output_paths):
+    tail = path.split("/", 1)[1] if "/" in path else None
+    src = by_path.get(tail) if tail else None
+    if src is not None and graph.types[src] == graph.types[v]:
+      pairs.append((v, src))
+  return tuple(pairs)
+
+
+def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
+                  batch_axes: Sequence[str] | None,
+                  batch_args: Sequence[int] | None = None) -> Problem:
+  """Dimension classes, their domains and the op rules of a traced program."""
+  top = graph.region_ops(0)
+  rules = {op.index: ruleslib.rule_for(graph, op) for op in top}
+  uf = _UnionFind()
+  node: dict[tuple[int, int], int] = {}
+
+  def vnode(v: int, d: int) -> int:
+    key = (v, d)
+    if key not in node:
+      node[key] = uf.add()
+    return node[key]
+
+  conflicts_ops = []
+  for op in top:
+    rule = rules[op.index]
+    fnodes = [uf.add() for _ in rule.factor_sizes]
+    conflicts_ops.append(fnodes)
+    for values, dims in ((op.inputs, rule.inputs), (op.outputs, rule.outputs)):
+      for v, fs in zip(values, dims):
+        if v in graph.literals:
+          continue
+        for d, f in enumerate(fs):
+          n = vnode(v, d)
+          if f is not None:
+            uf.union(fnodes[f], n)
+  for i in graph.inputs:
+    for d in range(len(graph.types[i.value].shape)):
+      vnode(i.value, d)
+
+  roots = sorted({uf.find(n) for n in node.values()})
+  index = {r: k for k, r in enumerate(roots)}
+  value_class = {key: index[uf.find(n)] for key, n in node.items()}
+  sizes: dict[int, set[int]] = {}
+  example: dict[int, str] = {}
+  for (v, d), c in value_class.items():
+    sizes.setdefault(c, set()).add(graph.types[v].shape[d])
+    if v in graph.input_path and c not in example:
+      example[c] = f"{graph.input_path[v]}[{d}]"
+  conflicted = set()
+  for fnodes in conflicts_ops:
+    cs = [index[uf.find(n)] for n in fnodes if uf.find(n) in index]
+    conflicted.update(c for c in cs if cs.count(c) > 1)
+  for v in {v for v, _ in value_class}:
+    cs = [value_class[(v, d)] for d in range(len(graph.types[v].shape))]
+    conflicted.update(c for c in cs if cs.count(c) > 1)
+
+  if batch_args is None:
+    batch_args = (graph.num_args - 1,) if graph.num_args > 1 else ()
+  batch_classes = {value_class[(i.value, 0)] for i in graph.inputs
+                   if i.arg in batch_args and graph.types[i.value].shape}
+  allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
+  for a in allowed_batch:
+    if a not in mesh.axis_names:
+      raise ValueError(f"batch_axes names {a!r}, which is not a mesh axis "
+                       f"{mesh.axis_names}; pass axes of the mesh or None")
+
+  classes, domains = [], []
+  for c in range(len(roots)):
+    size = next(iter(sizes[c])) if len(sizes[c]) == 1 else 0
+    splittable = size > 1 and c not in conflicted
+    batch = c in batch_classes
+    classes.append(DimClass(index=c, size=size, batch=batch, splittable=splittable,
+                            example=example.get(c, "")))
+    domains.append(_domain(size if splittable else 1, mesh,
+                           allowed_batch if batch else None, batch))
+  return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
+                 domains=tuple(domains), value_class=value_class, rules=rules,
+                 state_pairs=_state_pairs(graph), batch_args=tuple(batch_args))
+
+
+def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,
+            batch: bool) -> tuple[tuple[str, ...], ...]:
+  axes = [a for a in mesh.axis_names if mesh.size(a) > 1]
+  out = [()]
+  if size <= 1:
+    return tuple(out)
+  for r in range(1, len(axes) + 1):
+    for subset in itertools.combinations(axes, r):
+      if batch and allowed is not None and not set(subset) <= set(allowed):
+        continue
+      if not batch and allowed is not None:
+        pass
+      if size % math.prod(mesh.size(a) for a in subset) == 0:
+        out.append(subset)
+  return tuple(out)
+
+
+# -- op cost tables ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+  scope: tuple[int, ...]       # class ids
+  time: np.ndarray             # seconds, indexed by the scope classes' domain indices
+  comm: np.ndarray             # bytes
+
+
+class _TableBuilder:
+  """Builds per-op cost tables; with `reuse`, structurally equal ops share one build."""
+
+  def __init__(self, problem: Problem, reuse: bool,
+               input_layouts: Mapping[int, costlib.Layout] | None = None):
+    self.p = problem
+    self.reuse = reuse
+    self.fixed = dict(input_layouts or {})
+    self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    self._fclass: dict[int, list[int]] = {}
+    self._partial: dict[int, tuple[int, ...]] = {}
+    self.built = 0
+    g = problem.graph
+    self.producer = {v: op.index for op in g.region_ops(0) for v in op.outputs}
+
+  def _src(self, v: int):
+    """(per-dim class or None, partial classes) of a value as it arrives."""
+    p, g = self.p, self.p.graph
+    if v in self.producer:
+      op = g.ops[self.producer[v]]
+      rule = p.rules[op.index]
+      slot = op.outputs.index(v)
+      dims = tuple(None if f is None else p.value_class[(v, d)]
+                   for d, f in enumerate(rule.outputs[slot]))
+      return dims, self.partial_expr(v)
+    rank = len(g.types[v].shape)
+    return tuple(p.value_class.get((v, d)) for d in range(rank)), None
+
+  def partial_expr(self, v: int):
+    """How value v's partial-sum axes follow from the choice, as a small expression.
+
+    ("r", classes): a reducing op leaves partial sums over those classes' axes.
+    ("l", operands): a linear op keeps its operands' partial sums when they all hold
+    the same axes, and reduces them otherwise. None: never partial.
+    """
+    if v in self._partial:
+      return self._partial[v]
+    self._partial[v] = None  # cycles cannot occur in a jaxpr; this guards recursion
+    expr = None
+    if v in self.producer:
+      op = self.p.graph.ops[self.producer[v]]
+      rule = self.p.rules[op.index]
+      if rule.reduce:
+        classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
+                                and self.p.classes[c].splittable}))
+        expr = ("r", classes) if classes else None
+      elif op.primitive in _LINEAR:
+        operands = self._operand_exprs(op)
+        if operands and all(e is not None for e in operands):
+          expr = ("l", tuple(operands))
+    self._partial[v] = expr
+    return expr
+
+  def _operand_exprs(self, op: Op) -> list:
+    g = self.p.graph
+    return [self.partial_expr(v) for v in op.inputs
+            if v not in g.literals and g.types[v].shape]
+
+  def _factor_class(self, op: Op, f: int) -> int:
+    return self.factor_classes(op)[f]
+
+  def factor_classes(self, op: Op) -> list[int]:
+    """Class of each factor of op, found through the value dims mapped to it."""
+    if op.index in self._fclass:
+      return self._fclass[op.index]
+    rule = self.p.rules[op.index]
+    out = [-1] * len(rule.factor_sizes)  # -1: no value dim carries it; never split
+    for values, dims in ((op.inputs, rule.inputs), (op.outputs, rule.outputs)):
+      for v, fs in zip(values, dims):
+        if v in self.p.graph.literals:
+          continue
+        for d, f in enumerate(fs):
+          if f is not None and out[f] < 0:
+            out[f] = self.p.value_class[(v, d)]
+    self._fclass[op.index] = out
+    return out
+
+  def op_table(self, op: Op) -> _Table | None:
+    p, g = self.p, self.p.graph
+    rule = p.rules[op.index]
+    fclass = self.factor_classes(op)
+    edges = []
+    keep = op.primitive in _LINEAR and not rule.reduce
+    for k, v in enumerate(op.inputs):
+      if v in g.literals or not g.types[v].shape:
+        continue
+      src_dims, partial = self._src(v)
+      if not keep:
+        partial = None  # reduced once where it is made: see `resolve_table`
+      dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
+      edges.append((g.types[v], self.fixed.get(v, src_dims), partial, dst_dims, keep))
+    return self._table(("op", op.signature), fclass, rule.flops, g.types[op.outputs[0]]
+                       if op.outputs else None, edges)
+
+  def resolve_table(self, v: int) -> _Table | None:
+    """The one reduction of a partial value that some non-linear user needs whole.
+
+    Charged once per value, however many users read it, as XLA reduces it once.
+    """
+    g = self.p.graph
+    expr = self.partial_expr(v)
+    if expr is None:
+      return None
+    users = [g.ops[c] for c in g.consumers.get(v, ()) if g.ops[c].region == 0]
+    if all(u.primitive in _LINEAR and not self.p.rules[u.index].reduce for u in users) \
+        and v not in set(g.outputs):
+      return None
+    dims, _ = self._src(v)
+    return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims, False)])
+
+  def carry_table(self, out: int, inp: int) -> _Table | None:
+    src_dims, _ = self._src(out)
+    partial = None  # outputs are reduced by `resolve_table`
+    rank = len(self.p.graph.types[inp].shape)
+    dst = self.fixed.get(inp) or tuple(self.p.value_class[(inp, d)] for d in range(rank))
+    return self._table(("carry",), [], 0.0, None,
+                       [(self.p.graph.types[inp], src_dims, partial, dst, False)])
+
+  def _table(self, kind, fclass, flops, out_type, edges) -> _Table | None:
+    scope: list[int] = []
+
+    def pos(c):
+      if c is None or c < 0 or not self.p.classes[c].splittable:
+        return None
+      if c not in scope:
+        scope.append(c)
+      return scope.index(c)
+
+    def place(dims):  # class ids -> scope positions; a fixed Layout stays as it is
+      return dims if isinstance(dims, costlib.Layout) else tuple(pos(c) for c in dims)
+
+    fpos = [pos(c) for c in fclass]
+    def expr_pos(e):
+      if e is None:
+        return None
+      if e[0] == "r":
+        return ("r", tuple(pos(c) for c in e[1]))
+      return ("l", tuple(expr_pos(x) for x in e[1]))
+
+    epos = [(t, place(src), expr_pos(partial), place(dst), keep)
+            for t, src, partial, dst, keep in edges]
+    if not scope and not flops:
+      return None
+    domains = tuple(self.p.domains[c] for c in scope)
+    key = (kind, tuple(fpos), tuple(epos), domains, flops, out_type)
+    cached = self.cache.get(key) if self.reuse else None
+    if cached is None:
+      cached = self._compute(fpos, flops, out_type, epos, domains)
+      self.built += 1
+      if self.reuse:
+        self.cache[key] = cached
+    return _Table(tuple(scope), *cached)
+
+  def _compute(self, fpos, flops, out_type, epos, domains):
+    p = self.p
+    shape = tuple(len(d) for d in domains)
+    t = np.zeros(shape)
+    b = np.zeros(shape)
+    dtype = out_type.dtype if out_type is not None else "float32"
+    for idx in itertools.product(*(range(n) for n in shape)):
+      axes = [domains[k][i] for k, i in enumerate(idx)]
+      used = [a for k in {q for q in fpos if q is not None} for a in axes[k]]
+      if len(used) != len(set(used)):
+        t[idx] = np.inf  # one op split twice over one mesh axis
+        continue
+      shards = math.prod(p.mesh.size(a) for a in used)
+      total = costlib.compute_time(flops / shards, p.profile, dtype) if flops else 0.0
+      sent = 0.0
+      parts = [_eval_partial(e[2], axes) for e in epos]
+      # A linear op sums partial operands as they are when all hold the same axes.
+      keep_all = bool(parts) and all(q == parts[0] for q in parts) and bool(parts[0])
+      for (ttype, src, _, dst, keep), part in zip(epos, parts):
+        src_l = src if isinstance(src, costlib.Layout) else _layout(src, axes)
+        dst_l = dst if isinstance(dst, costlib.Layout) else _layout(dst, axes)
+        part = tuple(a for a in part if a not in src_l.axes)
+        try:
+          src_l = costlib.Layout(src_l.dims, partial=part)
+          if keep and keep_all:
+            dst_l = costlib.Layout(dst_l.dims, partial=tuple(
+                a for a in part if a not in dst_l.axes))
+          steps = costlib.reshard(ttype.shape, ttype.itemsize, src_l, dst_l, p.mesh,
+                                  p.profile)
+        except ValueError:
+          total = np.inf
+          break
+        total += sum(c.time_s for c in steps)
+        sent += sum(c.bytes_sent_per_device for c in steps)
+      t[idx], b[idx] = total, sent
+    return t, b
+
+
+def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+  """The mesh axes a partial expression (scope positions) holds under a choice."""
+  if expr is None:
+    return ()
+  if expr[0] == "r":
+    return tuple(sorted({a for q in expr[1] if q is not None for a in axes[q]}))
+  operands = [_eval_partial(e, axes) for e in expr[1]]
+  return operands[0] if operands and all(o == operands[0] for o in operands) else ()
+
+
+def _layout(positions: Sequence[int | None], axes: Sequence[tuple[str, ...]]) -> costlib.Layout:
+  dims, seen = [], set()
+  for q in positions:
+    entry = tuple(a for a in axes[q] if a not in seen) if q is not None else ()
+    seen.update(entry)
+    dims.append(entry)
+  return costlib.Layout(tuple(dims))
+
+
+# -- solving -----------------------------------------------------------------------
+
+
+def _memory_tables(problem: Problem,
+                   fixed: Mapping[int, costlib.Layout] | None = None) -> list[_Table]:
+  """Per-device bytes of every program input, as tables over its dims' classes."""
+  out = []
+  fixed = fixed or {}
+  for i in problem.graph.inputs:
+    t = problem.graph.types[i.value]
+    if i.value in fixed:
+      shards = costlib.num_shards(fixed[i.value], problem.mesh)
+      out.append(_Table((), np.array(t.nbytes / shards), np.array(0.0)))
+      continue
+    scope = []
+    for d in range(len(t.shape)):
+      c = problem.value_class[(i.value, d)]
+      if problem.classes[c].splittable and c not in scope:
+        scope.append(c)
+    domains = [problem.domains[c] for c in scope]
+    table = np.full(tuple(len(d) for d in domains), float(t.nbytes))
+    for idx in itertools.product(*(range(len(d)) for d in domains)):
+      axes = set(a for k, j in enumerate(idx) for a in domains[k][j])
+      table[idx] = t.nbytes / math.prod(problem.mesh.size(a) for a in axes) if axes else t.nbytes
+    out.append(_Table(tuple(scope), table, np.zeros_like(table)))
+  return out
+
+
+def _eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
+               domain_size: Mapping[int, int]) -> dict[int, int]:
+  """Exact min-sum variable elimination; returns class -> domain index."""
+  factors = list(_merge(factors).items())
+  variables = set(domain_size)
+  for scope, _ in factors:
+    variables.update(scope)
+  trail = []
+  while variables:
+    neighbours: dict[int, set[int]] = {v: set() for v in variables}
+    for scope, _ in factors:
+      for v in scope:
+        neighbours[v].update(scope)
+    var = min(variables, key=lambda v: (math.prod(domain_size[u] for u in neighbours[v]), v))
+    mine = [f for f in factors if var in f[0]]
+    factors = [f for f in factors if var not in f[0]]
+    scope = tuple(sorted(set().union(*[set(s) for s, _ in mine]) | {var}))
+    if math.prod(domain_size[c] for c in scope) > _MAX_TABLE:
+      raise _TooEntangled(f"elimination table over {len(scope)} classes")
+    total = np.zeros(tuple(domain_size[c] for c in scope))
+    for s, table in mine:
+      shape = [domain_size[c] if c in s else 1 for c in scope]
+      total = total + table.reshape(shape)
+    axis = scope.index(var)
+    rest = tuple(c for c in scope if c != var)
+    trail.append((var, rest, np.argmin(total, axis=axis)))
+    factors.append((rest, np.min(total, axis=axis)))
+    variables.discard(var)
+  assignment: dict[int, int] = {}
+  for var, rest, arg in reversed(trail):
+    assignment[var] = int(arg[tuple(assignment[c] for c in rest)]) if rest else int(arg)
+  return assignment
+
+
+def _all_tables(problem: Problem, builder: _TableBuilder) -> list[_Table]:
+  """Cost tables of every op, every partial value's reduction and every state carry."""
+  top = problem.graph.region_ops(0)
+  tables = [builder.op_table(op) for op in top]
+  tables += [builder.resolve_table(v) for op in top for v in op.outputs]
+  tables += [builder.carry_table(out, inp) for out, inp in problem.state_pairs]
+  return [t for t in tables if t is not None]
+
+
+def _evaluate(tables: Iterable[_Table], choice_idx: Mapping[int, int]) -> tuple[float, float]:
+  t = b = 0.0
+  for table in tables:
+    idx = tuple(choice_idx.get(c, 0) for c in table.scope)
+    t += float(table.time[idx])
+    b += float(table.comm[idx])
+  return t, b
+
+
+def solve(problem: Problem, fold: bool = True, memory_budget: float | None = None,
+          time_limit: float | None = None) -> Solution:
+  """Minimises predicted step time over class-to-axes choices, exactly.
+
+  Args:
+    problem: from `build_problem`.
+    fold: True: build each cost table once per unique layer (reused for every
+      structurally identical op) and minimise by variable elimination. False: the
+      unfolded reference: every op's table built on its own, and the whole program
+      solved as one integer program (HiGHS via scipy), Alpa-style.
+    memory_budget: per-device bytes for the program's inputs (params, optimizer
+      state, batch); None means unconstrained.
+    time_limit: seconds for the integer program (fold=False); `Solution.status`
+      says "time_limit" when it stopped early.
+
+  Raises:
+    InfeasibleBudgetError: no choice meets the budget.
+  """
+  start = time.perf_counter()
+  builder = _TableBuilder(problem, reuse=fold)
+  tables = _all_tables(problem, builder)
+  memory = _memory_tables(problem)
+  domain_size = {c: len(problem.domains[c]) for c in range(len(problem.classes))
+                 if len(problem.domains[c]) > 1}
+
+  def factors_of(weight: float):
+    out = [(t.scope, t.time) for t in tables if t.scope]
+    out += [(t.scope, weight * t.time) for t in memory if t.scope and weight]
+    out = [(tuple(c for c in s if c in domain_size), _restrict(s, tab, domain_size))
+           for s, tab in out]
+    return [f for f in out if f[0]]
+
+  weight, status = 0.0, "optimal"
+  use_ilp = not fold
+  if fold:
+    for level in ("full", "single-axis", "batch-only"):
+      keep = _reduced_domains(problem, level)
+      sizes = {c: len(k) for c, k in keep.items() if len(k) > 1}
+
+      def run(w, keep=keep, sizes=sizes):
+        picked = _eliminate(_take(factors_of(w), keep, sizes), sizes)
+        return {c: keep[c][i] for c, i in picked.items()}
+
+      try:
+        assignment = run(0.0)
+        state = _evaluate(memory, assignment)[0]
+        if memory_budget is not None and state > memory_budget:
+          weight, assignment, state = _fit_budget(run, memory, memory_budget, tables)
+        break
+      except _TooEntangled:
+        # Too entangled for exact elimination over every axis subset (e.g. ResNet's
+        # many channel classes on a 3-D mesh): stay exact over a smaller space and
+        # say so in the status.
+        continue
+    else:
+      raise RuntimeError("search: the dimension classes are too entangled to solve")
+    if level != "full":
+      status = f"exact over reduced domains ({level})"
+  if use_ilp:
+    mem = [(tuple(c for c in t.scope if c in domain_size),
+            _restrict(t.scope, t.time, domain_size)) for t in memory]
+    assignment, status = _solve_ilp(factors_of(0.0), domain_size, mem, memory_budget,
+                                    time_limit)
+    state = _evaluate(memory, assignment)[0]
+  step_s, comm = _evaluate(tables, assignment)
+  if not np.isfinite(step_s):
+    raise RuntimeError("search: no finite-cost plan (every choice splits an op twice)")
+  choice = {c: problem.domains[c][i] for c, i in assignment.items() if problem.domains[c][i]}
+  return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
+                  tables_built=builder.built, solve_s=time.perf_counter() - start,
+                  memory_weight=weight, status=status)
+
+
+def _reduced_domains(problem: Problem, level: str) -> dict[int, list[int]]:
+  """Domain indices kept per class: all, single axes only, or nothing but the batch."""
+  keep = {}
+  for c, dom in enumerate(problem.domains):
+    if len(dom) <= 1:
+      continue
+    if level == "full" or (level == "batch-only" and problem.classes[c].batch):
+      keep[c] = list(range(len(dom)))
+    elif level == "single-axis" or problem.classes[c].batch:
+      keep[c] = [k for k, axes in enumerate(dom) if len(axes) <= 1 or problem.classes[c].batch]
+    else:
+      keep[c] = [0]
+  return keep
+
+
+def _take(factors, keep, sizes):
+  """Factors restricted to the kept domain indices; classes left with one option drop."""
+  out = []
+  for scope, table in factors:
+    for axis, c in enumerate(scope):
+      table = np.take(table, keep[c], axis=axis)
+    index = tuple(slice(None) if c in sizes else 0 for c in scope)
+    reduced = tuple(c for c in scope if c in sizes)
+    if reduced:
+      out.append((reduced, table[index]))
+  return out
+
+
+def _merge(factors):
+  merged: dict[tuple[int, ...], np.ndarray] = {}
+  for scope, table in factors:
+    order = tuple(sorted(scope))
+    if order != scope:
+      table = np.transpose(table, [scope.index(c) for c in order])
+    merged[order] = merged[order] + table if order in merged else np.array(table, float)
+  return merged
+
+
+def _solve_ilp(factors, domain_size, memory, budget, time_limit):
+  """The same objective as one integer program (local-polytope form), solved by HiGHS.
+
+  Binary x[c, k]: class c takes its k-th domain entry, one per class. A factor over
+  several classes gets continuous y[f, idx] >= 0 whose marginals equal the x of each
+  class; with x integral, y is the indicator of the joint choice. Forbidden entries
+  (an op split twice over one axis) get y = 0.
+  """
+  from scipy import optimize, sparse  # noqa: PLC0415 - only the reference needs it
+
+  classes = sorted(domain_size)
+  xoff, n = {}, 0
+  for c in classes:
+    xoff[c], n = n, n + domain_size[c]
+  cost = np.zeros(n)
+  rows, cols, vals, lo, hi = [], [], [], [], []
+  upper = [1.0] * n
+
+  def add_row(entries, lb, ub):
+    r = len(lo)
+    for col, val in entries:
+      rows.append(r)
+      cols.append(col)
+      vals.append(val)
+    lo.append(lb)
+    hi.append(ub)
+
+  for c in classes:
+    add_row([(xoff[c] + k, 1.0) for k in range(domain_size[c])], 1.0, 1.0)
+  yoff = {}
+  merged = _merge(factors)
+  for scope, table in merged.items():
+    if len(scope) == 1:
+      flat = np.where(np.isfinite(table), table, 0.0)
+      cost[xoff[scope[0]]:xoff[scope[0]] + domain_size[scope[0]]] += flat
+      for k in np.flatnonzero(~np.isfinite(table)):
+        upper[xoff[scope[0]] + k] = 0.0
+      continue
+    yoff[scope] = n
+    flat = table.reshape(-1)
+    cost = np.concatenate([cost, np.where(np.isfinite(flat), flat, 0.0)])
+    upper += [1.0 if np.isfinite(v) else 0.0 for v in flat]
+    idx = np.array(list(np.ndindex(table.shape)))
+    for j, c in enumerate(scope):
+      for k in range(domain_size[c]):
+        hits = np.flatnonzero(idx[:, j] == k)
+        add_row([(n + int(h), 1.0) for h in hits] + [(xoff[c] + k, -1.0)], 0.0, 0.0)
+    n += flat.size
+  if budget is not None:
+    entries = {}
+    for scope, table in _merge(memory).items():
+      if len(scope) == 1:
+        for k in range(domain_size[scope[0]]):
+          key = xoff[scope[0]] + k
+          entries[key] = entries.get(key, 0.0) + float(table[k])
+      elif scope in yoff:
+        for h, v in enumerate(table.reshape(-1)):
+          entries[yoff[scope] + h] = entries.get(yoff[scope] + h, 0.0) + float(v)
+      else:  # a memory scope no cost factor has: add its own y block
+        raise NotImplementedError("memory over an unconstrained class set")
+    fixed = sum(float(t) for s, t in memory if not s)
+    add_row(list(entries.items()), -np.inf, budget - fixed)
+  integrality = np.zeros(n)
+  integrality[:sum(domain_size.values())] = 1
+  matrix = sparse.csr_array((vals, (rows, cols)), shape=(len(lo), n))
+  options = {"time_limit": time_limit} if time_limit else {}
+  res = optimize.milp(cost, integrality=integrality,
+                      bounds=optimize.Bounds(np.zeros(n), np.array(upper)),
+                      constraints=optimize.LinearConstraint(matrix, lo, hi), options=options)
+  if res.x is None:
+    if res.status == 2:
+      raise InfeasibleBudgetError(budget)
+    raise RuntimeError(f"search: the integer program found no solution ({res.message})")
+  status = "optimal" if res.status == 0 else "time_limit" if res.status == 1 else res.message
+  assignment = {c: int(np.argmax(res.x[xoff[c]:xoff[c] + domain_size[c]])) for c in classes}
+  return assignment, status
+
+
+def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
+             input_layouts: Mapping[int, costlib.Layout] | None = None) -> Solution:
+  """Predicted cost of a given class choice (and optional fixed input layouts).
+
+  Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
+  """
+  start = time.perf_counter()
+  builder = _TableBuilder(problem, reuse=True, input_layouts=input_layouts)
+  g = problem.graph
+  tables = _all_tables(problem, builder)
+  index = {}
+  for c, axes in choice.items():
+    if axes not in problem.domains[c]:
+      raise ValueError(f"class {problem.classes[c].example or c} (size "
+                       f"{problem.classes[c].size}) cannot take mesh axes {axes}; allowed: "
+                       f"{problem.domains[c]}")
+    index[c] = problem.domains[c].index(axes)
+  step_s, comm = _evaluate(tables, index)
+  state = _evaluate(_memory_tables(problem, input_layouts), index)[0]
+  return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
+                  tables_built=builder.built, solve_s=time.perf_counter() - start,
+                  memory_weight=0.0)
+
+
+def _restrict(scope, table, domain_size):
+  """Drops scope classes with a one-element domain (index 0)."""
+  idx = tuple(slice(None) if c in domain_size else 0 for c in scope)
+  return table[idx]
+
+
+def _fit_budget(run, memory, budget, tables):
+  """Bisection on the Lagrange weight of state bytes until the plan fits."""
+  lo, hi = 0.0, 1e-12
+  best = None
+  for _ in range(60):
+    assignment = run(hi)
+    state = _evaluate(memory, assignment)[0]
+    if state <= budget:
+      best = (hi, assignment, state)
+      break
+    hi *= 10
+  if best is None:
+    raise InfeasibleBudgetError(state)
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    assignment = run(mid)
+    state = _evaluate(memory, assignment)[0]
+    if state <= budget:
+      hi, best = mid, (mid, assignment, state)
+    else:
+      lo = mid
+  return best
+
+
+def warn_unsplittable(problem: Problem) -> None:
+  """One warning when nothing in the program can be split."""
+  if not any(len(d) > 1 for d in problem.domains):
+    warnings.warn("search: no dimension can be split on this mesh; the plan is replicated",
+                  stacklevel=2)
+
+
+# -- public entry point ----------------------------------------------------------------
+
+
+def _mesh_axes(mesh: Any) -> dict[str, int]:
+  """Axis sizes of a jax Mesh, an AbstractMesh or a dict; rejects Explicit axes."""
+  if isinstance(mesh, Mapping):
+    return {str(k): int(v) for k, v in mesh.items()}
+  from tapas_jax.mesh import check_auto  # noqa: PLC0415 - jax import kept lazy
+  if hasattr(mesh, "axis_types"):
+    check_auto(mesh)
+  return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+
+
+def _default_device() -> str:
+  import jax  # noqa: PLC0415
+  platform = jax.devices()[0].platform
+  return {"gpu": "h100", "tpu": "tpu-v5e"}.get(platform, "cpu")
+
+
+def search(fn, *args, mesh, device: str | None = None, memory_budget: float | None = None,
+           batch_axes: Sequence[str] | None | str = "default", fold: bool = True,
+           links: Mapping[str, str] | None = None, time_limit: float | None = None):
+  """Traces, folds and searches a sharding plan for `fn(*args)`.
+
+  Args:
+    fn: the step to shard, e.g. `train_step(state, batch)`.
+    *args: its arguments: arrays or `jax.ShapeDtypeStruct` pytrees (nothing allocated).
+    mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes.
+    device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, a100, h100, h200, cpu);
+      default from the local platform.
+    memory_budget: per-device bytes the program's inputs may take; None: unlimited.
+    batch_axes: mesh axes that may split the batch (dim 0 of the last argument);
+      default: the axes named data, batch, fsdp or replica; None: any axis.
+    fold: search each unique layer once (True) or every op on its own (False); both
+      reach the same plan, folding is faster.
+    links: mesh axis -> "intra" or "inter" link; default from the device profile.
+    time_limit: seconds for the unfolded integer program (fold=False);
+      `plan.stats["solver_status"]` is "time_limit" when it was hit.
+
+  Returns:
+    A `tapas_jax.plan.Plan`.
+
+  Raises:
+    InfeasibleBudgetError: no plan fits `memory_budget`; the message gives the smallest
+      per-device memory reachable and the tensors that dominate it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> plan = search(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+    ...               jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+    ...               jax.ShapeDtypeStruct((65536, 4096), jnp.float32),
+    ...               mesh={"data": 8}, device="h100")
+    >>> plan.in_specs
+    (P(None, None), P('data', None))
+  """
+  from tapas_jax import fold as foldlib  # noqa: PLC0415
+  from tapas_jax import trace as tracelib  # noqa: PLC0415
+
+  axes = _mesh_axes(mesh)
+  profile = costlib.get_profile(device or _default_device())
+  mesh_spec = costlib.mesh_spec(axes, profile, links)
+  if isinstance(batch_axes, str) and batch_axes == "default":
+    batch_axes = _default_batch_axes(mesh_spec)
+  graph = tracelib.trace(fn, *args)
+  folded = foldlib.fold(graph)
+  start = time.perf_counter()
+  problem = build_problem(graph, mesh_spec, profile, batch_axes)
+  warn_unsplittable(problem)
+  try:
+    solution = solve(problem, fold=fold, memory_budget=memory_budget, time_limit=time_limit)
+  except InfeasibleBudgetError:
+    raise _budget_error(problem, memory_budget) from None
+  search_s = time.perf_counter() - start
+  return make_plan(problem, folded, solution, args, search_s=search_s)
+
+
+def _budget_error(problem: Problem, budget: float) -> InfeasibleBudgetError:
+  """The smallest per-device input memory any choice reaches, and what dominates it."""
+  rows = []
+  for i in problem.graph.inputs:
+    # The most any layout can split this tensor: per dim the widest option its class
+    # allows, each mesh axis once. Ignores op conflicts, so it is a lower bound.
+    t, used, shards = problem.graph.types[i.value], set(), 1
+    for d in range(len(t.shape)):
+      options = [o for o in problem.domains[problem.value_class[(i.value, d)]]
+                 if not used & set(o)]
+      best = max(options, key=lambda o: math.prod(problem.mesh.size(a) for a in o))
+      used.update(best)
+      shards *= math.prod(problem.mesh.size(a) for a in best)
+    rows.append((t.nbytes / shards, i.path, t))
+  rows.sort(reverse=True)
+  floor = sum(r[0] for r in rows)
+  top = ", ".join(f"{p} {t} ({b / 2**20:.1f} MiB)" for b, p, t in rows[:5])
+  return InfeasibleBudgetError(
+      f"search: memory_budget={budget / 2**30:.3f} GiB per device cannot be met on mesh "
+      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: even splitting "
+      f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
+      f"inputs per device. Largest per device: {top}. Raise the budget, use a bigger "
+      "mesh, or a smaller batch or model.")
+
+
+def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
+              search_s: float, name: str = "tapas"):
+  """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats)."""
+  import jax  # noqa: PLC0415
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  from tapas_jax import plan as planlib  # noqa: PLC0415
+
+  g = problem.graph
+  specs = [PartitionSpec(*problem.layout(i.value, solution.choice).to_partition_spec())
+           for i in g.inputs]
+  in_specs, k = [], 0
+  for arg in args:
+    leaves, treedef = jax.tree_util.tree_flatten(arg)
+    in_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
+    k += len(leaves)
+  spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
+  layers = []
+  for u in folded.unique_layers:
+    inst = folded.instances[u.instances[0]]
+    read = []
+    for i in inst.ops:
+      for v in g.ops[i].inputs:
+        if v in spec_of and g.input_path[v] not in [p for p, _ in read]:
+          read.append((g.input_path[v], spec_of[v]))
+    layers.append(planlib.LayerStrategy(name=u.name, instances=len(u.instances),
+                                        param_specs=tuple(read)))
+  class_axes = tuple(
+      (problem.classes[c].example, problem.classes[c].size, axes)
+      for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size))
+  stats = {
+      "num_equations": len(g.ops),
+      "num_layer_instances": len(folded.instances),
+      "num_unique_layers": len(folded.unique_layers),
+      "trace_s": g.trace_s + g.walk_s,
+      "fold_s": folded.fold_s,
+      "search_s": search_s,
+      "predicted_step_s": solution.step_s,
+      "predicted_comm_bytes": solution.comm_bytes,
+      "predicted_state_bytes": solution.state_bytes,
+      "predicted_memory_bytes": solution.state_bytes + activation_peak(problem, solution),
+      "cost_tables_built": solution.tables_built,
+      "solver_status": solution.status,
+  }
+  return planlib.Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
+                      device=problem.profile.name, in_specs=tuple(in_specs),
+                      class_axes=class_axes, layers=tuple(layers), stats=stats,
+                      fingerprint=g.regions[0].fingerprint, name=name)
+
+
+def activation_peak(problem: Problem, solution: Solution) -> float:
+  """Peak per-device bytes of live intermediate values over the top-level program."""
+  g = problem.graph
+  top = g.region_ops(0)
+  pos = {op.index: j for j, op in enumerate(top)}
+  delta = np.zeros(len(top) + 1)
+  for j, op in enumerate(top):
+    rule = problem.rules[op.index]
+    for slot, v in enumerate(op.outputs):
+      t = g.types[v]
+      if not t.shape:
+        continue
+      axes = {a for d, f in enumerate(rule.outputs[slot]) if f is not None
+              for a in solution.choice.get(problem.value_class[(v, d)], ())}
+      size = t.nbytes / math.prod(problem.mesh.size(a) for a in axes)
+      last = max((pos[c] for c in g.consumers.get(v, ()) if c in pos), default=j)
+      delta[j] += size
+      delta[last + 1 if last + 1 <= len(top) else len(top)] -= size
+  return float(np.max(np.cumsum(delta))) if len(top) else 0.0

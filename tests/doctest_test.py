@@ -1,0 +1,20 @@
+"""Every docstring example in the package runs (8 fake CPU devices, as in conftest)."""
+
+import doctest
+import importlib
+import sys
+
+import pytest
+
+MODULES = ["tapas_jax", "tapas_jax.trace", "tapas_jax.fold", "tapas_jax.cost",
+           "tapas_jax.rules", "tapas_jax.mesh", "tapas_jax.search", "tapas_jax.plan",
+           "tapas_jax.models", "tapas_jax.models.training"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+  importlib.import_module(name)
+  # `tapas_jax.search` the attribute is the function; the module lives in sys.modules.
+  result = doctest.testmod(sys.modules[name], optionflags=doctest.ELLIPSIS)
+  assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+  assert result.attempted > 0 or name in ("tapas_jax.models.training",)

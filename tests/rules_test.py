@@ -1,0 +1,486 @@
+"""rules: per-primitive sharding rules, checked on the zoo, pinned, run on 8 devices."""
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import tapas_jax
+from tapas_jax import models, rules
+from tapas_jax.rules import OpRule, rule_for, rule_of
+from tapas_jax.trace import Graph, trace
+
+F32 = jnp.float32
+
+
+def sds(*shape, dtype=F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_graph(name: str) -> Graph:
+  m = models.get_model(name, "tiny")
+  return trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+
+
+def only(graph: Graph, primitive: str):
+  """The single op of `primitive` in `graph`."""
+  ops = [op for op in graph.ops if op.primitive == primitive]
+  assert len(ops) == 1, [op.primitive for op in graph.ops]
+  return ops[0]
+
+
+def assert_rule(rule: OpRule, spec: str, reduce: str = "", sizes: dict | None = None):
+  """Checks `rule` against einsum text; `_` = unsplit dim, `reduce` = summed letters."""
+  lhs, rhs = spec.split("->")
+  tensors = (lhs.split(",") if rule.inputs else []) + rhs.split(",")
+  dims = list(rule.inputs) + list(rule.outputs)
+  assert [len(t) for t in tensors] == [len(d) for d in dims], (spec, rule.einsum())
+  letter_of: dict[int, str] = {}
+  factor_of: dict[str, int] = {}
+  for text, tensor_dims in zip(tensors, dims):
+    for c, f in zip(text, tensor_dims):
+      if c == "_":
+        assert f is None, (spec, rule.einsum())
+        continue
+      assert f is not None, (spec, rule.einsum())
+      assert factor_of.setdefault(c, f) == f and letter_of.setdefault(f, c) == c, (
+          spec, rule.einsum())
+  assert {letter_of[f] for f in rule.reduce} == set(reduce), (rule.reduce, reduce)
+  for c, size in (sizes or {}).items():
+    assert rule.factor_sizes[factor_of[c]] == size, (c, rule.factor_sizes)
+
+
+def rule_of_fn(fn, *args, primitive=None):
+  """(graph, op, rule) of the one interesting op of `fn`."""
+  g = trace(fn, *args)
+  op = only(g, primitive) if primitive else g.ops[-1]
+  return g, op, rule_for(g, op)
+
+
+# -- (1) every zoo op gets a consistent rule --------------------------------------
+
+
+@pytest.mark.parametrize("name", models.FAMILIES)
+def test_zoo_train_step_rules_are_consistent(name):
+  g = zoo_graph(name)
+  for op in g.ops:
+    ins = [g.types[v].shape for v in op.inputs]
+    outs = [g.types[v].shape for v in op.outputs]
+    where = f"{name} op {op.index} {op.primitive} {ins}->{outs}"
+    fn = rules.RULES.get(op.primitive)
+    assert fn is not None or op.subregions, f"no rule: {where}"
+    if fn is None:
+      continue
+    rule = fn(op.raw_params, ins, outs)  # called directly: a failing rule must raise here
+    assert [len(d) for d in rule.inputs] == [len(s) for s in ins], where
+    assert [len(d) for d in rule.outputs] == [len(s) for s in outs], where
+    for dims, shape in zip(rule.inputs + rule.outputs, ins + outs):
+      for f, size in zip(dims, shape):
+        if f is None:
+          continue
+        fsize = rule.factor_sizes[f]
+        assert fsize > 1, where
+        if op.primitive == "reshape":  # gcd factors: they only need to divide the dim
+          assert size % fsize == 0, where
+        else:
+          assert size == fsize, where
+    in_only = {f for d in rule.inputs for f in d} - {f for d in rule.outputs for f in d}
+    assert in_only - {None} <= set(rule.reduce), where
+    assert rule.flops >= 0, where
+
+
+def test_zoo_has_every_listed_primitive_and_no_warnings():
+  seen = set()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for name in models.FAMILIES:
+      g = zoo_graph(name)
+      for op in g.region_ops(0):
+        rule_for(g, op)
+        seen.add(op.primitive)
+  expected = {
+      "mul", "add", "div", "broadcast_in_dim", "reshape", "integer_pow", "reduce_sum",
+      "dot_general", "sqrt", "add_any", "transpose", "select_n", "eq", "sub", "neg",
+      "square", "convert_element_type", "max", "rsqrt", "iota", "lt", "reduce_max",
+      "stop_gradient", "exp", "conv_general_dilated", "scatter-add", "gather",
+      "concatenate", "pow", "ge", "split", "gt", "tanh", "log", "abs", "is_finite",
+      "sign", "cos", "sin", "rev", "logistic", "slice", "squeeze", "top_k", "cumsum",
+      "min", "reduce_window_max", "select_and_scatter_add", "pad"}
+  assert expected <= seen, expected - seen
+  assert expected <= set(rules.RULES)
+
+
+def test_resnet_weight_gradient_convs_reduce_over_the_batch():
+  g = zoo_graph("resnet")
+  convs = [op for op in g.ops if op.primitive == "conv_general_dilated"]
+  assert {op.raw_params["batch_group_count"] for op in convs} == {1}
+  # Backward-pass kernel gradients put the image batch in the lhs feature slot.
+  wgrads = [op for op in convs if op.raw_params["dimension_numbers"].lhs_spec[1] == 0]
+  assert wgrads
+  for op in wgrads:
+    rule = rule_for(g, op)
+    x, dy = (g.types[v].shape for v in op.inputs)
+    (n_factor,) = rule.reduce
+    assert rule.inputs[0][0] == rule.inputs[1][0] == n_factor
+    assert rule.factor_sizes[n_factor] == x[0] == dy[0]
+
+
+# -- (2) pinned rules -------------------------------------------------------------
+
+
+def test_dot_general_attention_scores():
+  _, _, r = rule_of_fn(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k),
+                       sds(2, 8, 4, 16), sds(2, 6, 4, 16), primitive="dot_general")
+  assert_rule(r, "bqhd,bkhd->bhqk", reduce="d",
+              sizes=dict(b=2, q=8, h=4, d=16, k=6))
+  assert r.flops == 2 * 2 * 8 * 4 * 16 * 6
+
+
+def test_matmul_contracting_factor_is_reduce():
+  _, _, r = rule_of_fn(lambda x, w: x @ w, sds(2, 8, 32), sds(32, 64))
+  assert_rule(r, "bsk,kf->bsf", reduce="k")
+  assert r.flops == 2 * 2 * 8 * 32 * 64
+  ins, outs = r.layouts({0: ("data",), 3: ("model",)})
+  assert ins[0].to_partition_spec() == ("data", None, "model")
+  assert ins[1].to_partition_spec() == ("model", None)
+  assert outs[0].to_partition_spec() == ("data", None, None)
+  assert outs[0].partial == ("model",)
+  assert r.flops_per_device({0: ("data",), 3: ("model",)}, {"data": 2, "model": 4}) == (
+      r.flops / 8)
+
+
+def test_reshape_split_heads_splits_major_only():
+  r = rule_of("reshape", {"new_sizes": (2, 8, 4, 16), "dimensions": None},
+              [(2, 8, 64)], [(2, 8, 4, 16)])
+  assert_rule(r, "blh->blh_", sizes=dict(b=2, l=8, h=4))
+
+
+def test_reshape_merge_heads_and_other_blocks():
+  r = rule_of("reshape", {"new_sizes": (2, 8, 64), "dimensions": None},
+              [(2, 8, 4, 16)], [(2, 8, 64)])
+  assert_rule(r, "blh_->blh", sizes=dict(h=4))
+  # (2, 2, 32, 4) -> (2, 64, 4): the merged block's factor is gcd(2, 64) = 2.
+  r = rule_of("reshape", {"new_sizes": (2, 64, 4), "dimensions": None},
+              [(2, 2, 32, 4)], [(2, 64, 4)])
+  assert_rule(r, "am_c->amc", sizes=dict(m=2))
+  # Neither divides the other: (6, 4) -> (4, 6) still splits 2 ways.
+  r = rule_of("reshape", {"new_sizes": (4, 6), "dimensions": None}, [(6, 4)], [(4, 6)])
+  assert_rule(r, "g_->g_", sizes=dict(g=2))
+  # Size-1 dims are never split; coprime majors never split.
+  r = rule_of("reshape", {"new_sizes": (1, 3, 5), "dimensions": None}, [(5, 3)],
+              [(1, 3, 5)])
+  assert_rule(r, "__->___")
+
+
+def test_transpose_follows_permutation():
+  _, _, r = rule_of_fn(lambda x: jnp.transpose(x, (0, 2, 3, 1)), sds(2, 3, 4, 5))
+  assert_rule(r, "abcd->acdb")
+
+
+def test_broadcast_in_dim_new_and_expanded_dims_are_output_only():
+  r = rule_of("broadcast_in_dim", {"shape": (2, 8, 16), "broadcast_dimensions": (1, 2)},
+              [(8, 1)], [(2, 8, 16)])
+  assert_rule(r, "s_->bsd")
+
+
+def test_reduce_sum_partial_and_argmax_unsplit():
+  _, _, r = rule_of_fn(lambda x: jnp.sum(x, axis=1), sds(4, 8, 16))
+  assert_rule(r, "brd->bd", reduce="r")
+  assert r.combine == "sum" and r.flops == 4 * 8 * 16
+  _, _, r = rule_of_fn(lambda x: jnp.max(x, axis=(0, 2)), sds(4, 8, 16))
+  assert_rule(r, "abc->b", reduce="ac")
+  assert r.combine == "max"
+  _, _, r = rule_of_fn(lambda x: jnp.argmax(x, axis=-1), sds(4, 8))
+  assert_rule(r, "a_->a")
+
+
+def test_gather_embedding_vocab_is_reduce():
+  _, _, r = rule_of_fn(lambda e, i: jnp.take(e, i, axis=0), sds(256, 64),
+                       sds(2, 8, dtype=jnp.int32), primitive="gather")
+  assert_rule(r, "vd,bl_->bld", reduce="v", sizes=dict(v=256, d=64))
+
+
+def test_gather_take_along_axis_passes_batch_and_reduces_classes():
+  _, _, r = rule_of_fn(
+      lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1),
+      sds(2, 8, 100), sds(2, 8, dtype=jnp.int32), primitive="gather")
+  assert_rule(r, "blv,bl__->bl_", reduce="v")
+
+
+def test_scatter_add_embedding_gradient():
+  g = trace(jax.grad(lambda e, i: jnp.take(e, i, axis=0).sum()), sds(256, 64),
+            sds(2, 8, dtype=jnp.int32))
+  r = rule_for(g, only(g, "scatter-add"))
+  assert_rule(r, "vd,bl_,bld->vd", reduce="bl", sizes=dict(v=256, d=64, b=2, l=8))
+
+
+def test_scatter_overwrite_never_reduces():
+  _, _, r = rule_of_fn(lambda e, i, u: e.at[i].set(u), sds(256, 64),
+                       sds(2, 8, dtype=jnp.int32), sds(2, 8, 64), primitive="scatter")
+  assert_rule(r, "vd,___,__d->vd")
+
+
+def test_conv_nhwc():
+  def conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  _, _, r = rule_of_fn(conv, sds(2, 8, 8, 4), sds(3, 3, 4, 16))
+  assert_rule(r, "n__c,__co->n__o", reduce="c")
+  assert r.flops == 2 * (2 * 8 * 8 * 16) * 9 * 4
+
+
+def test_grouped_and_batch_grouped_convs_are_conservative():
+  dn = jax.lax.conv_dimension_numbers((2, 8, 8, 4), (3, 3, 1, 4),
+                                      ("NHWC", "HWIO", "NHWC"))
+  depthwise = dict(dimension_numbers=dn, feature_group_count=4, batch_group_count=1)
+  r = rule_of("conv_general_dilated", depthwise, [(2, 8, 8, 4), (3, 3, 1, 4)],
+              [(2, 8, 8, 4)])
+  assert_rule(r, "n__c,___c->n__c")
+  grouped = dict(dimension_numbers=dn, feature_group_count=2, batch_group_count=1)
+  r = rule_of("conv_general_dilated", grouped, [(2, 8, 8, 4), (3, 3, 2, 4)],
+              [(2, 8, 8, 4)])
+  assert_rule(r, "n___,____->n___")
+  batch_grouped = dict(dimension_numbers=dn, feature_group_count=1, batch_group_count=2)
+  r = rule_of("conv_general_dilated", batch_grouped, [(4, 8, 8, 4), (3, 3, 4, 4)],
+              [(2, 8, 8, 4)])
+  assert_rule(r, "___c,__c_->____", reduce="c")
+
+
+def test_slicing_ops_keep_touched_dims_whole():
+  cases = [
+      (lambda x: x[:, 1:5], "a_c->a_c"),
+      (lambda x: jnp.pad(x, ((0, 0), (0, 0), (1, 2))), "ab_,->ab_"),
+      (lambda x: jnp.flip(x, 1), "a_c->a_c"),
+      (lambda x: jnp.concatenate([x, x], axis=2), "ab_,ab_->ab_"),
+      (lambda x: jnp.cumsum(x, axis=1), "a_c->a_c"),
+      (lambda x: jax.lax.top_k(x, 2)[0], "ab_->ab_,ab_"),
+      (lambda x: jnp.sort(x, axis=0), "_bc->_bc"),
+      (lambda x: jax.lax.dynamic_slice_in_dim(x, 2, 3, axis=1), "a_c,,,->a_c"),
+      (lambda x: jax.lax.dynamic_update_slice_in_dim(x, x[:, :2] * 2, 3, axis=1),
+       "a_c,a_c,,,->a_c"),
+  ]
+  for fn, spec in cases:
+    g = trace(fn, sds(4, 8, 6))
+    helpers = ("add", "lt", "select_n", "convert_element_type", "clamp")
+    op = [op for op in g.ops if op.primitive not in helpers][-1]
+    assert_rule(rule_for(g, op), spec)
+
+
+def test_elementwise_broadcast_and_scalars():
+  r = rule_of("add", {}, [(2, 8, 16), (1, 8, 16)], [(2, 8, 16)])
+  assert_rule(r, "abc,_bc->abc")
+  r = rule_of("select_n", {}, [(), (4, 8), (4, 8)], [(4, 8)])
+  assert_rule(r, ",ab,ab->ab")
+  _, _, r = rule_of_fn(jnp.tanh, sds(4, 8))
+  assert_rule(r, "ab->ab")
+  assert r.flops == 32
+
+
+def test_iota_and_pooling():
+  _, _, r = rule_of_fn(lambda: jax.lax.iota(jnp.int32, 8))
+  assert_rule(r, "->a")
+  def pool(x):
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                                 "SAME")
+
+  _, _, r = rule_of_fn(pool, sds(2, 8, 8, 4), primitive="reduce_window_max")
+  assert_rule(r, "n__c->n__c")
+
+
+def test_op_rule_rejects_input_only_factors():
+  with pytest.raises(ValueError, match="inputs only"):
+    OpRule((4,), inputs=((0,),), outputs=((None,),))
+  with pytest.raises(ValueError, match="index an output"):
+    OpRule((4,), inputs=((0,),), outputs=((0,),), reduce=(0,))
+
+
+# -- (3) the layouts a rule allows compute the right numbers ----------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return tapas_jax.make_mesh({"data": 2, "model": 4})
+
+
+def _spec(layout) -> P:
+  return P(*layout.to_partition_spec())
+
+
+def check_sharded(fn, args, rule, assignment, mesh, local_fn=None):
+  """Runs `fn` with inputs laid out as `rule` says and compares to the unsharded run.
+
+  With `local_fn`, also runs it per device on the local shards (shard_map) and
+  combines partial results over the reduce axes: that checks the rule's meaning,
+  not only that the layouts are accepted.
+  """
+  ins, outs = rule.layouts(assignment)
+  expected = fn(*args)
+  in_shardings = tuple(NamedSharding(mesh, _spec(l)) for l in ins)
+  out_sharding = None if outs[0].partial else NamedSharding(mesh, _spec(outs[0]))
+  placed = [jax.device_put(a, s) for a, s in zip(args, in_shardings)]
+  got = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_sharding)(*placed)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  if local_fn is None:
+    return
+  combine = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[rule.combine]
+
+  def per_device(*local):
+    out = local_fn(*local)
+    return combine(out, outs[0].partial) if outs[0].partial else out
+
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(l) for l in ins),
+                          out_specs=P(*outs[0].to_partition_spec()))
+  np.testing.assert_allclose(jax.jit(sharded)(*args), expected, rtol=1e-5, atol=1e-5)
+
+
+def _rand(key, *shape):
+  return jax.random.normal(jax.random.key(key), shape, F32)
+
+
+def _factor(rule, tensor, dim, outputs=False):
+  return (rule.outputs if outputs else rule.inputs)[tensor][dim]
+
+
+def test_numerics_matmul_batch_and_contracting_split(mesh):
+  fn = lambda x, w: x @ w  # noqa: E731
+  args = (_rand(0, 4, 8, 16), _rand(1, 16, 32))
+  _, _, r = rule_of_fn(fn, *args)
+  assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
+  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  assign = {_factor(r, 0, 1): ("data",), _factor(r, 1, 1): ("model",)}
+  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+
+
+def test_numerics_attention_scores_heads_split(mesh):
+  fn = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k)  # noqa: E731
+  args = (_rand(0, 2, 8, 4, 16), _rand(1, 2, 8, 4, 16))
+  _, _, r = rule_of_fn(fn, *args, primitive="dot_general")
+  assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
+  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+
+
+def test_numerics_reshape_split_heads(mesh):
+  fn = lambda x: x.reshape(x.shape[0], x.shape[1], -1, 16)  # noqa: E731
+  args = (_rand(0, 2, 8, 64),)
+  _, _, r = rule_of_fn(fn, *args)
+  assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
+  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  # The merged direction, with the factor split over both axes at once.
+  fn = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731
+  args = (_rand(1, 2, 8, 16),)
+  _, _, r = rule_of_fn(fn, *args)
+  check_sharded(fn, args, r, {_factor(r, 0, 1): ("data", "model")}, mesh, local_fn=fn)
+
+
+def test_numerics_reduce_sum_and_max_partial(mesh):
+  for fn in (lambda x: jnp.sum(x, axis=1), lambda x: jnp.max(x, axis=1)):
+    args = (_rand(0, 4, 8, 6),)
+    _, _, r = rule_of_fn(fn, *args)
+    assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 1): ("model",)}
+    check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+
+
+def test_numerics_conv_nhwc_batch_and_input_features(mesh):
+  def fn(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  args = (_rand(0, 2, 6, 6, 8), _rand(1, 3, 3, 8, 4))
+  _, _, r = rule_of_fn(fn, *args)
+  assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 3): ("model",)}
+  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+
+
+def test_numerics_conv_weight_gradient_reduces_batch(mesh):
+  def loss(w, x):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC")).sum()
+
+  x, w = _rand(0, 8, 6, 6, 4), _rand(1, 3, 3, 4, 8)
+  g = trace(jax.grad(loss), w, x)
+  op = [op for op in g.ops if op.primitive == "conv_general_dilated"][-1]
+  r = rule_for(g, op)
+  (n,) = r.reduce
+  fn = functools.partial(jax.lax.conv_general_dilated_p.bind, **op.raw_params)
+  dy = jnp.ones((8, 6, 6, 8), F32)
+  args = (x, dy)
+  assert [g.types[v].shape for v in op.inputs] == [a.shape for a in args]
+  check_sharded(fn, args, r, {n: ("data", "model")}, mesh, local_fn=fn)
+
+
+def test_numerics_broadcast_and_elementwise(mesh):
+  fn = lambda x, b: x * b[None, :]  # noqa: E731
+  args = (_rand(0, 4, 8), _rand(1, 8))
+  g = trace(fn, *args)
+  r = rule_for(g, only(g, "broadcast_in_dim"))
+  check_sharded(lambda b: b[None, :], args[1:], r,
+                {r.outputs[0][0]: ("data",), r.outputs[0][1]: ("model",)}, mesh)
+  r = rule_for(g, only(g, "mul"))
+  check_sharded(lambda x, b2: x * b2, (args[0], args[1][None, :]), r,
+                {r.outputs[0][0]: ("data",), r.outputs[0][1]: ("model",)}, mesh)
+
+
+def test_numerics_embedding_gather_and_scatter_add(mesh):
+  emb, ids = _rand(0, 64, 16), jax.random.randint(jax.random.key(1), (4, 8, 1), 0, 64)
+  g = trace(lambda e, i: jnp.take(e, i[..., 0], axis=0), emb, ids)
+  op = only(g, "gather")
+  r = rule_for(g, op)
+  (v,) = r.reduce
+  fn = functools.partial(jax.lax.gather, **op.raw_params)
+  assert [g.types[x].shape for x in op.inputs] == [emb.shape, ids.shape]
+  check_sharded(fn, (emb, ids), r, {v: ("model",), r.inputs[1][0]: ("data",)}, mesh)
+
+  g = trace(jax.grad(lambda e, i: jnp.take(e, i[..., 0], axis=0).sum()), emb, ids)
+  op = only(g, "scatter-add")
+  r = rule_for(g, op)
+  params = {k: v for k, v in op.raw_params.items() if k != "update_consts"}
+  fn = functools.partial(jax.lax.scatter_add, **params)
+  args = (_rand(3, 64, 16), ids, _rand(2, 4, 8, 16))  # a non-zero operand counts once
+  assert [g.types[x].shape for x in op.inputs] == [a.shape for a in args]
+  batch, vocab = r.inputs[2][0], r.outputs[0][0]
+  assert batch in r.reduce
+  check_sharded(fn, args, r, {vocab: ("model",), batch: ("data",)}, mesh)
+
+
+# -- (4) unknown primitives and loops ---------------------------------------------
+
+
+def test_unknown_primitive_warns_once_and_is_replicated(monkeypatch):
+  monkeypatch.setattr(rules, "_WARNED", set())
+  prim = jax.extend.core.Primitive("tapas_test_mystery")
+  prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  g = trace(lambda x: prim.bind(x), sds(4, 8))
+  op = only(g, "tapas_test_mystery")
+  with pytest.warns(UserWarning, match="tapas_test_mystery.*replicated"):
+    r = rule_for(g, op)
+  assert r.inputs == ((None, None),) and r.outputs == ((None, None),)
+  assert r.factor_sizes == () and r.flops == 0
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert rule_for(g, op) == r
+
+
+def test_failing_rule_falls_back_to_replicated(monkeypatch):
+  monkeypatch.setattr(rules, "_WARNED", set())
+  with pytest.warns(UserWarning, match="rule failed"):
+    r = rule_of("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])
+  assert r == rules.default_rule([(4, 8), (8, 2)], [(4, 2)])
+
+
+def test_loop_ops_are_replicated_without_warning(monkeypatch):
+  monkeypatch.setattr(rules, "_WARNED", set())
+  g = trace(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c * x), c, xs),
+            sds(4), sds(3, 4))
+  op = only(g, "scan")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    r = rule_for(g, op)
+  assert all(f is None for d in r.inputs + r.outputs for f in d)
+  assert math.prod(r.factor_sizes) == 1

@@ -1,0 +1,209 @@
+"""search: the public entry point, exactness (folded == unfolded), quality, memory, errors."""
+
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import tapas_jax as tapas
+from tapas_jax import baselines, models
+from tapas_jax import cost as costlib
+from tapas_jax.trace import trace
+
+search_mod = sys.modules["tapas_jax.search"]
+
+MESHES = {
+    "1d": {"data": 8},
+    "2d": {"data": 2, "model": 4},
+    "3d": {"data": 2, "model": 2, "expert": 2},
+}
+STATS = {"num_equations", "num_layer_instances", "num_unique_layers", "trace_s", "fold_s",
+         "search_s", "predicted_step_s", "predicted_comm_bytes", "predicted_memory_bytes"}
+
+
+def is_spec(x):
+  return isinstance(x, PartitionSpec)
+
+
+@functools.lru_cache(maxsize=None)
+def zoo(name, **overrides):
+  m = models.get_model(name, "tiny", **overrides)
+  return m, m.train_step(), m.abstract_state(), m.batch_spec(8)
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("name", models.FAMILIES)
+def test_entry_point_on_every_zoo_model_and_mesh(name, mesh):
+  _, step, state, batch = zoo(name)
+  plan = tapas.search(step, state, batch, mesh=MESHES[mesh], device="cpu")
+  assert isinstance(plan, tapas.Plan)
+  assert STATS <= set(plan.stats)
+  assert plan.stats["predicted_step_s"] > 0 and plan.stats["predicted_memory_bytes"] > 0
+  assert plan.stats["num_unique_layers"] >= 1
+  # One pytree of PartitionSpec per positional argument, shaped like the argument.
+  assert len(plan.in_specs) == 2
+  for arg, specs in zip((state, batch), plan.in_specs):
+    assert (jax.tree.structure(arg)
+            == jax.tree.structure(specs, is_leaf=is_spec))
+    for leaf, spec in zip(jax.tree.leaves(arg), jax.tree.leaves(specs, is_leaf=is_spec)):
+      assert len(spec) <= len(leaf.shape)
+      for dim, entry in zip(leaf.shape, spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        assert set(axes) <= set(MESHES[mesh])
+        assert dim % math.prod(MESHES[mesh][a] for a in axes) == 0
+  assert plan.layers and plan.summary().startswith("Plan 'tapas'")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "t5", "vit"])
+def test_sharded_step_computes_the_same_numbers(name):
+  m, step, _, _ = zoo(name)
+  mesh = tapas.make_mesh(MESHES["2d"])
+  state = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), 8)
+  plan = tapas.search(step, state, batch, mesh=mesh, device="cpu")
+  assert any(e for spec in jax.tree.leaves(plan.in_specs, is_leaf=is_spec) for e in spec), \
+      "tiny models on the cpu profile get a non-trivial plan"
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), plan.in_specs, is_leaf=is_spec)
+  placed = jax.device_put((state, batch), shardings)
+  sharded_step = jax.jit(step, in_shardings=shardings)
+  s1, out1 = sharded_step(*placed)
+  s2, out2 = sharded_step(s1, placed[1])
+  r1, ref1 = jax.jit(step)(state, batch)
+  r2, ref2 = jax.jit(step)(r1, batch)
+  np.testing.assert_allclose(out1["loss"], ref1["loss"], rtol=2e-6)
+  np.testing.assert_allclose(out2["loss"], ref2["loss"], rtol=2e-5)
+  # Gradients, not Adam-updated parameters: Adam's first step is g/|g| and flips
+  # sign on rounding noise where g is ~0.
+  loss_fn = m.loss_fn()
+  grad = lambda p, ms, b: jax.grad(lambda q: loss_fn(q, ms, b)[0])(p)
+  sharded_g = jax.jit(grad, in_shardings=(shardings[0].params, shardings[0].model_state,
+                                          shardings[1]))(
+      placed[0].params, placed[0].model_state, placed[1])
+  ref_g = jax.jit(grad)(state.params, state.model_state, batch)
+  for a, b in zip(jax.tree.leaves(sharded_g), jax.tree.leaves(ref_g)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _problem(name, mesh, device="cpu", batch_axes=("data",), **overrides):
+  _, step, state, batch = zoo(name, **overrides)
+  profile = costlib.get_profile(device)
+  graph = trace(step, state, batch)
+  return search_mod.build_problem(graph, costlib.mesh_spec(mesh, profile), profile, batch_axes)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("gpt", dict(num_layers=2)), ("gpt", dict(num_layers=4)), ("llama", {}), ("t5", {}),
+    ("moe", {}), ("vit", {})])
+def test_folded_equals_unfolded_integer_program(name, overrides):
+  problem = _problem(name, MESHES["2d"], **overrides)
+  folded = search_mod.solve(problem, fold=True)
+  unfolded = search_mod.solve(problem, fold=False, time_limit=120)
+  assert unfolded.status == "optimal"
+  assert folded.step_s == pytest.approx(unfolded.step_s, rel=1e-9)
+  assert folded.tables_built < unfolded.tables_built  # folding is what saved the work
+
+
+def test_folded_search_is_no_worse_than_any_baseline_with_the_same_freedom():
+  m = models.get_model("gpt", "gpt2-small", num_layers=2)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  mesh = MESHES["2d"]
+  plan = tapas.search(*args, mesh=mesh, device="h100", batch_axes=None)
+  for name in baselines.BASELINES:
+    base = baselines.baseline(name, *args, mesh=mesh, device="h100", family="gpt")
+    assert plan.stats["predicted_step_s"] <= base.stats["predicted_step_s"] * (1 + 1e-9), name
+
+
+def _spec(plan, path):
+  flat = jax.tree_util.tree_flatten_with_path(plan.in_specs[0], is_leaf=is_spec)[0]
+  for key_path, spec in flat:
+    if "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path) == path:
+      return spec
+  raise KeyError(path)
+
+
+def test_rediscovers_megatron_on_gpt():
+  m = models.get_model("gpt", "gpt2-small", num_layers=2)
+  plan = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8),
+                      mesh=MESHES["2d"], device="h100", batch_axes=("data",))
+  for k in range(2):
+    block = f"params/Block_{k}"
+    assert _spec(plan, f"{block}/MLP/fc1/kernel") == PartitionSpec(None, "model")
+    assert _spec(plan, f"{block}/MLP/fc2/kernel") == PartitionSpec("model", None)
+    assert _spec(plan, f"{block}/Attention/query/kernel") == PartitionSpec(None, "model", None)
+    assert _spec(plan, f"{block}/Attention/out/kernel") == PartitionSpec("model", None, None)
+  assert plan.in_specs[1]["inputs"] == PartitionSpec("data", None)
+  megatron = baselines.baseline("megatron", m.train_step(), m.abstract_state(),
+                                m.batch_spec(8), mesh=MESHES["2d"], device="h100", family="gpt")
+  assert plan.stats["predicted_step_s"] <= megatron.stats["predicted_step_s"] * (1 + 1e-9)
+
+
+def test_batch_axes_keep_the_batch_off_other_axes():
+  _, step, state, batch = zoo("gpt")
+  plan = tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu",
+                      batch_axes=("data",))
+  for spec in jax.tree.leaves(plan.in_specs[1], is_leaf=is_spec):
+    assert spec[0] in (None, "data")
+  with pytest.raises(ValueError, match="batch_axes names 'rows'"):
+    tapas.search(step, state, batch, mesh=MESHES["2d"], batch_axes=("rows",))
+
+
+def test_memory_pressure_shards_state_over_the_data_axis():
+  m = models.get_model("gpt", "gpt2-small", num_layers=2)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
+  replicated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
+  # Below a quarter of the replicated state, the 4-way model axis alone cannot do it.
+  budget = 0.24 * replicated
+  tight = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget)
+  assert tight.stats["predicted_state_bytes"] <= budget
+  on_data = [s for s in jax.tree.leaves(tight.in_specs[0], is_leaf=is_spec)
+             if any(e == "data" or (isinstance(e, tuple) and "data" in e) for e in s)]
+  assert on_data, "parameters or optimizer state are split over the data axis"
+  assert tight.stats["predicted_step_s"] >= free.stats["predicted_step_s"]
+
+
+def test_infeasible_budget_names_the_floor_and_the_biggest_tensors():
+  _, step, state, batch = zoo("gpt")
+  with pytest.raises(tapas.InfeasibleBudgetError,
+                     match=r"cannot be met.*GiB of inputs per device.*params/"):
+    tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu", memory_budget=1024)
+
+
+def test_abstract_mesh_plans_a_175b_shape_without_devices():
+  m = models.get_model("gpt", "gpt3-175b", num_layers=2)
+  mesh = jax.sharding.AbstractMesh((16, 16), ("data", "model"),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  plan = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(256), mesh=mesh,
+                      device="tpu-v5p")
+  assert plan.mesh_axes == {"data": 16, "model": 16}
+  # 2 layers of d=12288 with adam do not fit one chip replicated; the plan splits them.
+  assert plan.stats["predicted_state_bytes"] < 95 * 2**30
+
+
+def test_explicit_mesh_is_rejected():
+  _, step, state, batch = zoo("gpt")
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with pytest.raises(tapas.MeshError, match="not AxisType.Auto"):
+    tapas.search(step, state, batch, mesh=mesh)
+
+
+def test_unknown_primitive_is_replicated_with_one_warning():
+  from jax.extend.core import Primitive
+  mystery = Primitive("tapas_search_mystery")
+  mystery.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  mystery.def_impl(lambda x: x)
+
+  def f(w, x):
+    return jnp.sum(mystery.bind(x @ w))
+
+  with pytest.warns(UserWarning, match="tapas_search_mystery"):
+    plan = tapas.search(f, jax.ShapeDtypeStruct((256, 256), jnp.float32),
+                        jax.ShapeDtypeStruct((4096, 256), jnp.float32),
+                        mesh={"data": 8}, device="cpu")
+  assert plan.stats["predicted_step_s"] > 0

@@ -114,7 +114,8 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   graph = tracelib.trace(fn, *args)
   folded = foldlib.fold(graph)
   start = time.perf_counter()
-  problem = _search.build_problem(graph, mesh_spec, profile, batch_axes=None)
+  problem = _search.build_problem(graph, mesh_spec, profile, batch_axes=None,
+                                  view=_search.folded_view(folded))
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
   layouts = None
   if name == "megatron":

@@ -49,8 +49,8 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["DimClass", "InfeasibleBudgetError", "Problem", "Solution", "build_problem",
-           "evaluate", "search", "solve"]
+__all__ = ["DimClass", "InfeasibleBudgetError", "Problem", "Solution", "View",
+           "build_problem", "evaluate", "folded_view", "search", "solve", "unfolded_view"]
 
 DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
 # Ops linear in their inputs: partial sums pass through them unreduced when every
@@ -84,6 +84,66 @@ class DimClass:
 
 
 @dataclasses.dataclass(frozen=True)
+class View:
+  """The part of the program the search looks at, and what each part stands for.
+
+  Folded: the glue plus one representative instance per unique layer; every other
+  instance's values and ops map onto the representative's (same position in the
+  instance, which fingerprints guarantee is the same computation). Unfolded: all ops.
+
+  Attributes:
+    ops: top-level op indices searched.
+    canon: value -> the value standing for it (absent: itself).
+    weight: op index -> how many ops it stands for (absent: 1).
+    op_canon: op index -> the op standing for it (absent: itself).
+  """
+
+  ops: tuple[int, ...]
+  canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  weight: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+
+def unfolded_view(graph: Graph) -> View:
+  return View(ops=tuple(op.index for op in graph.region_ops(0)))
+
+
+def folded_view(folded: Folded) -> View:
+  """Glue, each unique layer's first and last instance, and its middle instance
+  standing for all the interior copies.
+
+  The first and last copies are kept as themselves because their neighbours differ
+  (glue on one side): their edges cost differently. The interior copies all look the
+  same, so one of them is searched for all, and the search's size stays flat in depth.
+  """
+  g = folded.graph
+  canon, weight, op_canon = {}, {}, {}
+  ops = {i for seg in folded.glue for i in seg.ops}
+  for u in folded.unique_layers:
+    members = [folded.instances[k] for k in u.instances]
+    ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))
+               for i in inst.ops)
+    if len(members) <= 3:
+      continue
+    interior = members[1:-1]
+    rep = interior[len(interior) // 2]
+    ops.update(rep.ops)
+    for i in rep.ops:
+      weight[i] = len(interior)
+    for inst in interior:
+      if inst.index == rep.index:
+        continue
+      for a, b in zip(inst.ops, rep.ops):
+        op_a, op_b = g.ops[a], g.ops[b]
+        op_canon[a] = b
+        canon.update(zip(op_a.outputs, op_b.outputs))
+        for va, vb in zip(op_a.inputs, op_b.inputs):
+          if va in g.input_path and vb in g.input_path:
+            canon[va] = vb  # this copy's parameter is laid out like the representative's
+  return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon)
+
+
+@dataclasses.dataclass(frozen=True)
 class Problem:
   """The search problem over dimension classes.
 
@@ -95,8 +155,9 @@ class Problem:
     domains: per class, the allowed tuples of mesh axes (major to minor).
     value_class: (value id, dim) -> class id, for every top-level value dim.
     rules: op index -> its sharding rule (top-level ops).
-    state_pairs: (output value, input value) of state carried to the next step.
+    state_pairs: (output value, input value, count) of state carried to the next step.
     batch_args: positional arguments whose leaves' dim 0 is the batch.
+    view: the ops searched and what they stand for.
   """
 
   graph: Graph
@@ -106,14 +167,21 @@ class Problem:
   domains: tuple[tuple[tuple[str, ...], ...], ...]
   value_class: Mapping[tuple[int, int], int]
   rules: Mapping[int, ruleslib.OpRule]
-  state_pairs: tuple[tuple[int, int], ...]
+  state_pairs: tuple[tuple[int, int, int], ...]
   batch_args: tuple[int, ...]
+  view: View
+
+  def cv(self, v: int) -> int:
+    """The value standing for v in the view."""
+    return self.view.canon.get(v, v)
+
+  def vclass(self, v: int, d: int) -> int:
+    return self.value_class[(self.cv(v), d)]
 
   def layout(self, value: int, choice: Mapping[int, tuple[str, ...]]) -> costlib.Layout:
     """Layout of a graph input under a class choice."""
     rank = len(self.graph.types[value].shape)
-    return costlib.Layout(tuple(choice.get(self.value_class[(value, d)], ())
-                                for d in range(rank)))
+    return costlib.Layout(tuple(choice.get(self.vclass(value, d), ()) for d in range(rank)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,23 +246,31 @@ def _default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
   return tuple(a for a in mesh.axis_names if a in DEFAULT_BATCH_AXIS_NAMES)
 
 
-def _state_pairs(graph: Graph) -> tuple[tuple[int, int], ...]:
+def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int, int], ...]:
   """Outputs that are the next step's value of an input: same path after the tuple index."""
   by_path = {i.path: i.value for i in graph.inputs}
-  pairs = []
+  counts: dict[tuple[int, int], int] = {}
   for v, path in zip(graph.outputs, graph.output_paths):
     tail = path.split("/", 1)[1] if "/" in path else None
     src = by_path.get(tail) if tail else None
     if src is not None and graph.types[src] == graph.types[v]:
-      pairs.append((v, src))
-  return tuple(pairs)
+      key = (canon.get(v, v), canon.get(src, src))
+      counts[key] = counts.get(key, 0) + 1
+  return tuple((o, i, n) for (o, i), n in counts.items())
 
 
 def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
                   batch_axes: Sequence[str] | None,
-                  batch_args: Sequence[int] | None = None) -> Problem:
-  """Dimension classes, their domains and the op rules of a traced program."""
-  top = graph.region_ops(0)
+                  batch_args: Sequence[int] | None = None, view: View | None = None) -> Problem:
+  """Dimension classes, their domains and the op rules of a traced program.
+
+  Args:
+    view: the ops to search (`folded_view` or `unfolded_view`); default unfolded.
+  """
+  view = view or unfolded_view(graph)
+  canon = view.canon
+  cv = lambda v: canon.get(v, v)  # noqa: E731
+  top = [graph.ops[i] for i in view.ops]
   rules = {op.index: ruleslib.rule_for(graph, op) for op in top}
   uf = _UnionFind()
   node: dict[tuple[int, int], int] = {}
@@ -215,12 +291,12 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
         if v in graph.literals:
           continue
         for d, f in enumerate(fs):
-          n = vnode(v, d)
+          n = vnode(cv(v), d)
           if f is not None:
             uf.union(fnodes[f], n)
   for i in graph.inputs:
     for d in range(len(graph.types[i.value].shape)):
-      vnode(i.value, d)
+      vnode(cv(i.value), d)
 
   roots = sorted({uf.find(n) for n in node.values()})
   index = {r: k for k, r in enumerate(roots)}
@@ -241,7 +317,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
 
   if batch_args is None:
     batch_args = (graph.num_args - 1,) if graph.num_args > 1 else ()
-  batch_classes = {value_class[(i.value, 0)] for i in graph.inputs
+  batch_classes = {value_class[(cv(i.value), 0)] for i in graph.inputs
                    if i.arg in batch_args and graph.types[i.value].shape}
   allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
   for a in allowed_batch:
@@ -260,7 +336,8 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
                            allowed_batch if batch else None, batch))
   return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
                  domains=tuple(domains), value_class=value_class, rules=rules,
-                 state_pairs=_state_pairs(graph), batch_args=tuple(batch_args))
+                 state_pairs=_state_pairs(graph, canon), batch_args=tuple(batch_args),
+                 view=view)
 
 
 def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,
@@ -303,11 +380,17 @@ class _TableBuilder:
     self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
     g = problem.graph
-    self.producer = {v: op.index for op in g.region_ops(0) for v in op.outputs}
+    self.ops = [g.ops[i] for i in problem.view.ops]
+    self.producer = {v: op.index for op in self.ops for v in op.outputs}
+    self.users: dict[int, list[int]] = {}
+    for op in self.ops:
+      for v in op.inputs:
+        self.users.setdefault(problem.cv(v), []).append(op.index)
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
     p, g = self.p, self.p.graph
+    v = p.cv(v)
     if v in self.producer:
       op = g.ops[self.producer[v]]
       rule = p.rules[op.index]
@@ -325,6 +408,7 @@ class _TableBuilder:
     ("l", operands): a linear op keeps its operands' partial sums when they all hold
     the same axes, and reduces them otherwise. None: never partial.
     """
+    v = self.p.cv(v)
     if v in self._partial:
       return self._partial[v]
     self._partial[v] = None  # cycles cannot occur in a jaxpr; this guards recursion
@@ -363,7 +447,7 @@ class _TableBuilder:
           continue
         for d, f in enumerate(fs):
           if f is not None and out[f] < 0:
-            out[f] = self.p.value_class[(v, d)]
+            out[f] = self.p.vclass(v, d)
     self._fclass[op.index] = out
     return out
 
@@ -393,7 +477,7 @@ class _TableBuilder:
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [g.ops[c] for c in g.consumers.get(v, ()) if g.ops[c].region == 0]
+    users = [g.ops[c] for c in self.users.get(v, ())]
     if all(u.primitive in _LINEAR and not self.p.rules[u.index].reduce for u in users) \
         and v not in set(g.outputs):
       return None
@@ -404,7 +488,7 @@ class _TableBuilder:
     src_dims, _ = self._src(out)
     partial = None  # outputs are reduced by `resolve_table`
     rank = len(self.p.graph.types[inp].shape)
-    dst = self.fixed.get(inp) or tuple(self.p.value_class[(inp, d)] for d in range(rank))
+    dst = self.fixed.get(inp) or tuple(self.p.vclass(inp, d) for d in range(rank))
     return self._table(("carry",), [], 0.0, None,
                        [(self.p.graph.types[inp], src_dims, partial, dst, False)])
 
@@ -505,26 +589,34 @@ def _layout(positions: Sequence[int | None], axes: Sequence[tuple[str, ...]]) ->
 
 def _memory_tables(problem: Problem,
                    fixed: Mapping[int, costlib.Layout] | None = None) -> list[_Table]:
-  """Per-device bytes of every program input, as tables over its dims' classes."""
-  out = []
+  """Per-device bytes of every program input, as tables over its dims' classes.
+
+  Inputs over the same classes share one table (bytes add up), so a folded program's
+  many copies of one parameter cost one table.
+  """
   fixed = fixed or {}
+  total: dict[tuple[int, ...], float] = {}
+  fixed_bytes = 0.0
   for i in problem.graph.inputs:
     t = problem.graph.types[i.value]
     if i.value in fixed:
-      shards = costlib.num_shards(fixed[i.value], problem.mesh)
-      out.append(_Table((), np.array(t.nbytes / shards), np.array(0.0)))
+      fixed_bytes += t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh)
       continue
     scope = []
     for d in range(len(t.shape)):
-      c = problem.value_class[(i.value, d)]
+      c = problem.vclass(i.value, d)
       if problem.classes[c].splittable and c not in scope:
         scope.append(c)
+    key = tuple(scope)
+    total[key] = total.get(key, 0.0) + t.nbytes
+  out = [_Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
+  for scope, nbytes in total.items():
     domains = [problem.domains[c] for c in scope]
-    table = np.full(tuple(len(d) for d in domains), float(t.nbytes))
+    table = np.empty(tuple(len(d) for d in domains))
     for idx in itertools.product(*(range(len(d)) for d in domains)):
-      axes = set(a for k, j in enumerate(idx) for a in domains[k][j])
-      table[idx] = t.nbytes / math.prod(problem.mesh.size(a) for a in axes) if axes else t.nbytes
-    out.append(_Table(tuple(scope), table, np.zeros_like(table)))
+      axes = {a for k, j in enumerate(idx) for a in domains[k][j]}
+      table[idx] = nbytes / math.prod(problem.mesh.size(a) for a in axes)
+    out.append(_Table(scope, table, np.zeros_like(table)))
   return out
 
 
@@ -564,11 +656,14 @@ def _eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
 
 def _all_tables(problem: Problem, builder: _TableBuilder) -> list[_Table]:
   """Cost tables of every op, every partial value's reduction and every state carry."""
-  top = problem.graph.region_ops(0)
-  tables = [builder.op_table(op) for op in top]
-  tables += [builder.resolve_table(v) for op in top for v in op.outputs]
-  tables += [builder.carry_table(out, inp) for out, inp in problem.state_pairs]
-  return [t for t in tables if t is not None]
+  weighted = []
+  for op in builder.ops:
+    w = problem.view.weight.get(op.index, 1)
+    weighted.append((builder.op_table(op), w))
+    weighted += [(builder.resolve_table(v), w) for v in op.outputs]
+  weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
+  return [t if w == 1 else _Table(t.scope, t.time * w, t.comm * w)
+          for t, w in weighted if t is not None]
 
 
 def _evaluate(tables: Iterable[_Table], choice_idx: Mapping[int, int]) -> tuple[float, float]:
@@ -722,6 +817,10 @@ def _solve_ilp(factors, domain_size, memory, budget, time_limit):
     add_row([(xoff[c] + k, 1.0) for k in range(domain_size[c])], 1.0, 1.0)
   yoff = {}
   merged = _merge(factors)
+  memory_merged = _merge([(sc, t) for sc, t in memory if sc]) if budget is not None else {}
+  for scope, table in memory_merged.items():
+    if len(scope) > 1 and scope not in merged:
+      merged[scope] = np.zeros_like(table)  # y variables to express the memory row
   for scope, table in merged.items():
     if len(scope) == 1:
       flat = np.where(np.isfinite(table), table, 0.0)
@@ -741,16 +840,14 @@ def _solve_ilp(factors, domain_size, memory, budget, time_limit):
     n += flat.size
   if budget is not None:
     entries = {}
-    for scope, table in _merge(memory).items():
+    for scope, table in memory_merged.items():
       if len(scope) == 1:
         for k in range(domain_size[scope[0]]):
           key = xoff[scope[0]] + k
           entries[key] = entries.get(key, 0.0) + float(table[k])
-      elif scope in yoff:
+      else:
         for h, v in enumerate(table.reshape(-1)):
           entries[yoff[scope] + h] = entries.get(yoff[scope] + h, 0.0) + float(v)
-      else:  # a memory scope no cost factor has: add its own y block
-        raise NotImplementedError("memory over an unconstrained class set")
     fixed = sum(float(t) for s, t in memory if not s)
     add_row(list(entries.items()), -np.inf, budget - fixed)
   integrality = np.zeros(n)
@@ -896,7 +993,8 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
   graph = tracelib.trace(fn, *args)
   folded = foldlib.fold(graph)
   start = time.perf_counter()
-  problem = build_problem(graph, mesh_spec, profile, batch_axes)
+  view = folded_view(folded) if fold else unfolded_view(graph)
+  problem = build_problem(graph, mesh_spec, profile, batch_axes, view=view)
   warn_unsplittable(problem)
   try:
     solution = solve(problem, fold=fold, memory_budget=memory_budget, time_limit=time_limit)
@@ -914,7 +1012,7 @@ def _budget_error(problem: Problem, budget: float) -> InfeasibleBudgetError:
     # allows, each mesh axis once. Ignores op conflicts, so it is a lower bound.
     t, used, shards = problem.graph.types[i.value], set(), 1
     for d in range(len(t.shape)):
-      options = [o for o in problem.domains[problem.value_class[(i.value, d)]]
+      options = [o for o in problem.domains[problem.vclass(i.value, d)]
                  if not used & set(o)]
       best = max(options, key=lambda o: math.prod(problem.mesh.size(a) for a in o))
       used.update(best)
@@ -988,13 +1086,15 @@ def activation_peak(problem: Problem, solution: Solution) -> float:
   pos = {op.index: j for j, op in enumerate(top)}
   delta = np.zeros(len(top) + 1)
   for j, op in enumerate(top):
-    rule = problem.rules[op.index]
+    rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+    if rule is None:
+      continue
     for slot, v in enumerate(op.outputs):
       t = g.types[v]
-      if not t.shape:
+      if not t.shape or (problem.cv(v), 0) not in problem.value_class:
         continue
       axes = {a for d, f in enumerate(rule.outputs[slot]) if f is not None
-              for a in solution.choice.get(problem.value_class[(v, d)], ())}
+              for a in solution.choice.get(problem.vclass(v, d), ())}
       size = t.nbytes / math.prod(problem.mesh.size(a) for a in axes)
       last = max((pos[c] for c in g.consumers.get(v, ()) if c in pos), default=j)
       delta[j] += size

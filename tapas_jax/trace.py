@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import math
 import re
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -51,7 +52,7 @@ class TensorType:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    return math.prod(self.shape)
 
   @property
   def itemsize(self) -> int:

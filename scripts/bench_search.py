@@ -1,0 +1,149 @@
+"""Search figures: folded vs unfolded, flatness in depth, 175B, rediscovery, memory.
+
+Every program is a full train step (forward, backward, adamw) traced abstractly.
+Search time excludes trace and fold (both printed where asked).
+
+  python scripts/bench_search.py                 # everything (several minutes)
+  python scripts/bench_search.py --only=fold     # one section: fold, flat, 175b,
+                                                 # rediscover, memory
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+import tapas_jax as tapas  # noqa: E402
+from tapas_jax import baselines, models  # noqa: E402
+from tapas_jax import cost as costlib  # noqa: E402
+from tapas_jax.fold import fold  # noqa: E402
+from tapas_jax.trace import trace  # noqa: E402
+
+S = sys.modules["tapas_jax.search"]
+MESH = {"data": 2, "model": 4}
+
+
+def gpt(layers, config="gpt2-small"):
+  m = models.get_model("gpt", config, num_layers=layers)
+  return m.train_step(), m.abstract_state(), m.batch_spec(8)
+
+
+def timed_solve(graph, folded, view_fold, solver_fold, time_limit=None, device="h100",
+                mesh=MESH):
+  profile = costlib.get_profile(device)
+  spec = costlib.mesh_spec(mesh, profile)
+  start = time.perf_counter()
+  view = S.folded_view(folded) if view_fold else S.unfolded_view(graph)
+  problem = S.build_problem(graph, spec, profile, ("data",), view=view)
+  solution = S.solve(problem, fold=solver_fold, time_limit=time_limit)
+  return solution, time.perf_counter() - start
+
+
+def section_fold(time_limit):
+  print("\n## Folded vs unfolded (GPT-2 small width, train step, mesh data=2 x model=4, h100)")
+  print(f"{'layers':>6} {'eqns':>7} {'folded obj ms':>14} {'folded s':>9} "
+        f"{'unfolded obj ms':>16} {'unfolded s':>11} {'status':>10} {'obj diff':>9} "
+        f"{'speedup':>8}")
+  for layers in (2, 4, 8, 12, 24, 48):
+    graph = trace(*gpt(layers))
+    folded = fold(graph)
+    a, ta = timed_solve(graph, folded, True, True)
+    b, tb = timed_solve(graph, folded, False, False, time_limit=time_limit)
+    diff = (a.step_s - b.step_s) / b.step_s
+    print(f"{layers:>6} {len(graph.ops):>7} {a.step_s * 1e3:>14.4f} {ta:>9.3f} "
+          f"{b.step_s * 1e3:>16.4f} {tb:>11.2f} {b.status:>10} {diff:>+9.2%} "
+          f"{tb / ta:>7.0f}x", flush=True)
+
+
+def section_flat():
+  print("\n## Flatness: folded search time vs depth (GPT-2 small width, h100)")
+  times = {}
+  for layers in (12, 24, 48, 96):
+    graph = trace(*gpt(layers))
+    folded = fold(graph)
+    runs = [timed_solve(graph, folded, True, True)[1] for _ in range(3)]
+    times[layers] = min(runs)
+    print(f"  L={layers:>3}: search {times[layers]:.3f} s (best of 3)", flush=True)
+  print(f"  ratio 96/12: {times[96] / times[12]:.2f}x (target <= 1.5x)")
+
+
+def section_175b():
+  print("\n## GPT-3 175B shape, abstract mesh data=8 x model=8, tpu-v5p")
+  m = models.get_model("gpt", "gpt3-175b")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(64))
+  start = time.perf_counter()
+  jax.make_jaxpr(models.get_model("gpt", "gpt3-175b").train_step())(*args[1:])
+  bare = time.perf_counter() - start
+  mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p")
+  s = plan.stats
+  total = s["trace_s"] + s["fold_s"] + s["search_s"]
+  print(f"  equations {s['num_equations']}, {s['num_layer_instances']} instances of "
+        f"{s['num_unique_layers']} unique layer(s)")
+  print(f"  bare make_jaxpr {bare:.2f} s | trace {s['trace_s']:.2f} s + fold "
+        f"{s['fold_s']:.2f} s + search {s['search_s']:.3f} s = {total:.2f} s")
+  print(f"  search (excluding trace) under 1 s: {s['search_s'] < 1.0}")
+  print("  " + plan.summary().replace("\n", "\n  "))
+
+
+def section_rediscover():
+  print("\n## Rediscovery on mesh data=2 x model=4 (batch on data only), h100")
+  for family, config in (("gpt", "gpt2-small"), ("llama", "llama3-8b")):
+    m = models.get_model(family, config, num_layers=4)
+    args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+    plan = tapas.search(*args, mesh=MESH, device="h100", batch_axes=("data",))
+    print(f"\n### {family} {config} (4 layers)")
+    print("  " + plan.summary().replace("\n", "\n  "))
+    for name in baselines.BASELINES:
+      base = baselines.baseline(name, *args, mesh=MESH, device="h100", family=family)
+      print(f"  baseline {name:<14} {base.stats['predicted_step_s'] * 1e3:9.3f} ms/step "
+            f"{base.stats['predicted_comm_bytes'] / 2**20:9.1f} MiB sent "
+            f"{base.stats['predicted_state_bytes'] / 2**30:7.3f} GiB state/device")
+    print(f"  search         {plan.stats['predicted_step_s'] * 1e3:16.3f} ms/step "
+          f"{plan.stats['predicted_comm_bytes'] / 2**20:9.1f} MiB sent "
+          f"{plan.stats['predicted_state_bytes'] / 2**30:7.3f} GiB state/device")
+
+
+def section_memory():
+  print("\n## Memory pressure (GPT-2 small width, 4 layers, mesh data=2 x model=4, h100)")
+  args = gpt(4)
+  replicated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
+  free = tapas.search(*args, mesh=MESH, device="h100")
+  print(f"  replicated inputs {replicated / 2**30:.3f} GiB/device; unconstrained plan "
+        f"{free.stats['predicted_state_bytes'] / 2**30:.3f} GiB/device, "
+        f"{free.stats['predicted_step_s'] * 1e3:.3f} ms")
+  for frac in (0.5, 0.24, 0.15):
+    budget = frac * replicated
+    try:
+      plan = tapas.search(*args, mesh=MESH, device="h100", memory_budget=budget)
+    except tapas.InfeasibleBudgetError as e:
+      print(f"  budget {budget / 2**30:.3f} GiB: infeasible: {str(e)[:160]}")
+      continue
+    on_data = sum(1 for spec in jax.tree.leaves(
+        plan.in_specs[0], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+                  if any(e == "data" or (isinstance(e, tuple) and "data" in e) for e in spec))
+    print(f"  budget {budget / 2**30:.3f} GiB: plan {plan.stats['predicted_state_bytes'] / 2**30:.3f}"
+          f" GiB/device, {plan.stats['predicted_step_s'] * 1e3:.3f} ms, {on_data} state "
+          "leaves split over data")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--only", default=None)
+  parser.add_argument("--time_limit", type=float, default=300.0,
+                      help="seconds for each unfolded integer program")
+  args = parser.parse_args()
+  sections = {"fold": lambda: section_fold(args.time_limit), "flat": section_flat,
+              "175b": section_175b, "rediscover": section_rediscover, "memory": section_memory}
+  for name, fn in sections.items():
+    if args.only in (None, name):
+      fn()
+
+
+if __name__ == "__main__":
+  main()

@@ -96,12 +96,60 @@ class View:
     canon: value -> the value standing for it (absent: itself).
     weight: op index -> how many ops it stands for (absent: 1).
     op_canon: op index -> the op standing for it (absent: itself).
+    loops: scan ops whose bodies are searched in their place (the body's ops are in
+      `ops`, each standing for trip-count executions).
   """
 
   ops: tuple[int, ...]
   canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
   weight: Mapping[int, int] = dataclasses.field(default_factory=dict)
   op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  loops: frozenset[int] = frozenset()
+
+
+def _scan_region(graph: Graph, op: Op):
+  """The body region of a scan (a counted loop with consts/carry params), else None."""
+  if "num_carry" not in op.raw_params or "num_consts" not in op.raw_params:
+    return None
+  for r in op.subregions:
+    region = graph.regions[r]
+    if region.trip_count:
+      return region
+  return None
+
+
+def _scan_bindings(graph: Graph, op: Op):
+  """(outer value, body value, dim shift) pairs tying a scan to its body.
+
+  Consts and carries keep their dims; scanned inputs and stacked outputs have the
+  loop dim in front (shift 1). The carry out of the body is the carry in.
+  """
+  region = _scan_region(graph, op)
+  consts, carry = op.raw_params["num_consts"], op.raw_params["num_carry"]
+  for k, (outer, inner) in enumerate(zip(op.inputs, region.inputs)):
+    if outer not in graph.literals:
+      yield outer, inner, 0 if k < consts + carry else 1
+  for k, (outer, inner) in enumerate(zip(op.outputs, region.outputs)):
+    if inner not in graph.literals:
+      yield outer, inner, 0 if k < carry else 1
+  for inner_in, inner_out in zip(region.inputs[consts:consts + carry], region.outputs[:carry]):
+    if inner_out not in graph.literals:
+      yield inner_in, inner_out, 0
+
+
+def _with_scan_bodies(graph: Graph, view: View) -> View:
+  """Adds the bodies of scans to the view, each op standing for trip-count executions."""
+  ops, weight, loops = list(view.ops), dict(view.weight), set()
+  for i in view.ops:
+    region = _scan_region(graph, graph.ops[i])
+    if region is None:
+      continue
+    loops.add(i)
+    body = [op.index for op in graph.ops if op.region == region.index]
+    ops += body
+    for b in body:
+      weight[b] = region.trip_count * view.weight.get(i, 1)
+  return dataclasses.replace(view, ops=tuple(ops), weight=weight, loops=frozenset(loops))
 
 
 def unfolded_view(graph: Graph) -> View:
@@ -267,10 +315,10 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   Args:
     view: the ops to search (`folded_view` or `unfolded_view`); default unfolded.
   """
-  view = view or unfolded_view(graph)
+  view = _with_scan_bodies(graph, view or unfolded_view(graph))
   canon = view.canon
   cv = lambda v: canon.get(v, v)  # noqa: E731
-  top = [graph.ops[i] for i in view.ops]
+  top = [graph.ops[i] for i in view.ops if i not in view.loops]
   rules = {op.index: ruleslib.rule_for(graph, op) for op in top}
   uf = _UnionFind()
   node: dict[tuple[int, int], int] = {}
@@ -280,6 +328,14 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
     if key not in node:
       node[key] = uf.add()
     return node[key]
+
+  pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
+  for loop in view.loops:
+    for outer, inner, shift in _scan_bindings(graph, graph.ops[loop]):
+      for d in range(len(graph.types[inner].shape)):
+        uf.union(vnode(cv(outer), d + shift), vnode(inner, d))
+      if shift:
+        pinned.add(vnode(cv(outer), 0))
 
   conflicts_ops = []
   for op in top:
@@ -307,7 +363,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
     sizes.setdefault(c, set()).add(graph.types[v].shape[d])
     if v in graph.input_path and c not in example:
       example[c] = f"{graph.input_path[v]}[{d}]"
-  conflicted = set()
+  conflicted = {index[uf.find(n)] for n in pinned}
   for fnodes in conflicts_ops:
     cs = [index[uf.find(n)] for n in fnodes if uf.find(n) in index]
     conflicted.update(c for c in cs if cs.count(c) > 1)
@@ -380,7 +436,7 @@ class _TableBuilder:
     self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
     g = problem.graph
-    self.ops = [g.ops[i] for i in problem.view.ops]
+    self.ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
     self.producer = {v: op.index for op in self.ops for v in op.outputs}
     self.users: dict[int, list[int]] = {}
     for op in self.ops:

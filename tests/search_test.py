@@ -60,9 +60,11 @@ def test_entry_point_on_every_zoo_model_and_mesh(name, mesh):
   assert plan.layers and plan.summary().startswith("Plan 'tapas'")
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "t5", "vit"])
-def test_sharded_step_computes_the_same_numbers(name):
-  m, step, _, _ = zoo(name)
+@pytest.mark.parametrize("name,overrides", [
+    ("gpt", {}), ("gpt", dict(scan_layers=True, num_layers=3)), ("llama", {}), ("moe", {}),
+    ("t5", {}), ("vit", {})])
+def test_sharded_step_computes_the_same_numbers(name, overrides):
+  m, step, _, _ = zoo(name, **overrides)
   mesh = tapas.make_mesh(MESHES["2d"])
   state = m.init(jax.random.key(0))
   batch = m.make_batch(jax.random.key(1), 8)
@@ -160,6 +162,21 @@ def test_rediscovers_megatron_on_gpt():
   megatron = baselines.baseline("megatron", m.train_step(), m.abstract_state(),
                                 m.batch_spec(8), mesh=MESHES["2d"], device="h100", family="gpt")
   assert plan.stats["predicted_step_s"] <= megatron.stats["predicted_step_s"] * (1 + 1e-9)
+
+
+def test_scan_body_is_searched_with_its_trip_count():
+  m = models.get_model("gpt", "gpt2-small", num_layers=4, scan_layers=True)
+  plan = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8),
+                      mesh=MESHES["2d"], device="h100", batch_axes=("data",))
+  # Stacked parameters: the layer dim stays whole, the MLP hidden dim is split.
+  assert _spec(plan, "params/layers/MLP/fc1/kernel") == PartitionSpec(None, None, "model")
+  assert _spec(plan, "params/layers/MLP/fc2/kernel") == PartitionSpec(None, "model", None)
+  unrolled = models.get_model("gpt", "gpt2-small", num_layers=4)
+  flat = tapas.search(unrolled.train_step(), unrolled.abstract_state(), unrolled.batch_spec(8),
+                      mesh=MESHES["2d"], device="h100", batch_axes=("data",))
+  # The scanned body costs trip-count times: the same order as the unrolled program.
+  ratio = plan.stats["predicted_step_s"] / flat.stats["predicted_step_s"]
+  assert 0.5 < ratio < 1.5, ratio
 
 
 def test_batch_axes_keep_the_batch_off_other_axes():

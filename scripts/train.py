@@ -1,7 +1,8 @@
-"""Training launcher: trace and fold the train step, then train on a device mesh.
+"""Training launcher: plan the train step with tapas, then train with that plan.
 
-Until the planner lands, training runs data parallel (batch split over every mesh
-axis, state replicated); the fold report shows what the planner will search.
+The step is traced and folded, a sharding plan is searched for the mesh, and the
+state and batch are placed and jitted with the plan's PartitionSpecs. `--noplan`
+trains data parallel instead (batch over every axis, state replicated).
 
 Usage:
   python scripts/train.py                                 # configs/default.py
@@ -30,6 +31,8 @@ flags.DEFINE_multi_string("set", [], "Model config field overrides, field=value.
 flags.DEFINE_string("mesh", None, "Mesh axes, e.g. 'data=2,model=4'.")
 flags.DEFINE_integer("steps", None, "Train steps.")
 flags.DEFINE_integer("batch_size", None, "Global batch size.")
+flags.DEFINE_bool("plan", True, "Search a tapas plan (else data parallel).")
+flags.DEFINE_string("device", None, "Cost profile (tpu-v5e, h100, cpu, ...); default local.")
 flags.DEFINE_integer("host_devices", 8,
                      "On CPU: fake devices (XLA_FLAGS) when no accelerator is present.")
 flags.DEFINE_string("coordinator", None, "jax.distributed coordinator address (multi-host).")
@@ -98,17 +101,22 @@ def main(argv):
   train_step = model.train_step()
   state_spec = model.abstract_state()
   batch_spec = model.batch_spec(batch_size)
-  graph = tapas.trace.trace(train_step, state_spec, batch_spec)
-  folded = tapas.fold.fold(graph)
-  print(f"traced {len(graph.ops)} ops in {graph.trace_s + graph.walk_s:.2f}s")
-  print(folded.summary())
-
-  # Data parallel until the planner exists: batch over every axis, state replicated.
-  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  if FLAGS.plan:
+    plan = tapas.search(train_step, state_spec, batch_spec, mesh=mesh, device=FLAGS.device)
+    print(plan.summary())
+    to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    state_sharding = jax.tree.map(to_sharding, plan.in_specs[0], is_leaf=is_spec)
+    batch_sharding = jax.tree.map(to_sharding, plan.in_specs[1], is_leaf=is_spec)
+  else:
+    graph = tapas.trace.trace(train_step, state_spec, batch_spec)
+    print(tapas.fold.fold(graph).summary())
+    state_sharding = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   replicated = NamedSharding(mesh, P())
-  state = jax.jit(model.init, out_shardings=replicated)(jax.random.key(cfg.get("seed", 0)))
-  step = jax.jit(train_step, in_shardings=(replicated, batch_sharding),
-                 out_shardings=(replicated, replicated), donate_argnums=0)
+  state = jax.jit(model.init, out_shardings=state_sharding)(jax.random.key(cfg.get("seed", 0)))
+  step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, replicated), donate_argnums=0)
   rng = np.random.default_rng(cfg.get("seed", 0))
   for k in range(steps):
     batch = model.make_batch(jax.random.key(int(rng.integers(1 << 30))), batch_size)

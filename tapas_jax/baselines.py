@@ -84,7 +84,7 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
   for i in problem.graph.inputs:
     for pattern, dim in MEGATRON_SPLITS[family]:
       if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
-        c = problem.value_class[(i.value, dim)]
+        c = problem.vclass(i.value, dim)
         choice[c] = _widest(problem, c, model_axes)
   return {c: a for c, a in choice.items() if a}
 

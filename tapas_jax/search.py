@@ -59,6 +59,10 @@ DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
 # first is cheaper there.
 _LINEAR = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "transpose",
                      "reshape", "reduce_sum", "copy", "squeeze", "expand_dims"})
+# A chain of linear ops summing partial values from many layers (the cotangent of a
+# value every layer reads) is reduced once it spans more classes than this, so that no
+# cost table grows with depth.
+_MAX_PARTIAL_CLASSES = 4
 # Elimination tables above this many entries mean the class graph is too entangled
 # for exact elimination; the search then refuses rather than run for hours.
 _MAX_TABLE = 1 << 22
@@ -70,9 +74,10 @@ class DimClass:
 
   Attributes:
     index: class id.
-    size: the dimension size shared by its members.
+    size: the largest split any member allows: the gcd of its members' sizes (a
+      reshape's merged dim (H*D) joins the class of its major part (H)).
     batch: holds dim 0 of a batch argument.
-    splittable: False when one op or tensor holds it twice, or sizes disagree.
+    splittable: False when one op or tensor holds it twice.
     example: a readable member, e.g. "params/Block_0/MLP/fc1/kernel[1]".
   """
 
@@ -383,7 +388,9 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
 
   classes, domains = [], []
   for c in range(len(roots)):
-    size = next(iter(sizes[c])) if len(sizes[c]) == 1 else 0
+    # Members may differ in size where a reshape splits a merged dim by its major
+    # part ((B, S, H*D) -> (B, S, H, D)): a split must divide every member.
+    size = math.gcd(*sizes[c])
     splittable = size > 1 and c not in conflicted
     batch = c in batch_classes
     classes.append(DimClass(index=c, size=size, batch=batch, splittable=splittable,
@@ -480,8 +487,16 @@ class _TableBuilder:
         operands = self._operand_exprs(op)
         if operands and all(e is not None for e in operands):
           expr = ("l", tuple(operands))
+          if len(_expr_classes(expr)) > _MAX_PARTIAL_CLASSES:
+            expr = None  # reduced before this op: see `keeps`
     self._partial[v] = expr
     return expr
+
+  def keeps(self, op: Op) -> bool:
+    """Whether a linear op may take its operands' partial sums as they are."""
+    if op.primitive not in _LINEAR or self.p.rules[op.index].reduce:
+      return False
+    return op.outputs != () and self.partial_expr(op.outputs[0]) is not None
 
   def _operand_exprs(self, op: Op) -> list:
     g = self.p.graph
@@ -512,7 +527,7 @@ class _TableBuilder:
     rule = p.rules[op.index]
     fclass = self.factor_classes(op)
     edges = []
-    keep = op.primitive in _LINEAR and not rule.reduce
+    keep = self.keeps(op)
     for k, v in enumerate(op.inputs):
       if v in g.literals or not g.types[v].shape:
         continue
@@ -534,8 +549,7 @@ class _TableBuilder:
     if expr is None:
       return None
     users = [g.ops[c] for c in self.users.get(v, ())]
-    if all(u.primitive in _LINEAR and not self.p.rules[u.index].reduce for u in users) \
-        and v not in set(g.outputs):
+    if all(self.keeps(u) for u in users) and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
     return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims, False)])
@@ -619,6 +633,14 @@ class _TableBuilder:
         sent += sum(c.bytes_sent_per_device for c in steps)
       t[idx], b[idx] = total, sent
     return t, b
+
+
+def _expr_classes(expr) -> set[int]:
+  if expr is None:
+    return set()
+  if expr[0] == "r":
+    return set(expr[1])
+  return set().union(*(_expr_classes(e) for e in expr[1]))
 
 
 def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:

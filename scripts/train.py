@@ -11,6 +11,7 @@ Usage:
   python scripts/train.py --coordinator=host0:1234 --num_processes=4 --process_id=0
 """
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -88,8 +89,7 @@ def main(argv):
   overrides = dict(cfg.get("overrides", {})) if not FLAGS.model else {}
   overrides.update(parse_pairs(FLAGS.set, "set"))
   model = models.get_model(name, FLAGS.model_config or cfg["config"], **overrides)
-  model = model.__class__(family=model.family, config=model.config,
-                          learning_rate=cfg.get("learning_rate", 1e-3))
+  model = dataclasses.replace(model, learning_rate=cfg.get("learning_rate", 1e-3))
   mesh_axes = parse_pairs(FLAGS.mesh.split(","), "mesh") if FLAGS.mesh else cfg["mesh"]
   mesh = tapas.make_mesh(mesh_axes)
   steps = FLAGS.steps or cfg["steps"]

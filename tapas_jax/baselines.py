@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import time
@@ -31,7 +32,8 @@ from tapas_jax import trace as tracelib
 
 __all__ = ["BASELINES", "MEGATRON_SPLITS", "baseline"]
 
-_search = __import__("tapas_jax.search", fromlist=["search"])
+# The module, not the `tapas_jax.search` function that the package re-exports.
+_search = importlib.import_module("tapas_jax.search")
 
 # Parameter path pattern -> the dim Megatron splits over the model axes.
 _GPT = ((r"Attention/(query|key|value)/kernel$", 1), (r"MLP/fc1/kernel$", 1))
@@ -127,29 +129,6 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     if name == "fsdp":
       layouts = _fsdp_layouts(problem)
   solution = _search.evaluate(problem, choice, input_layouts=layouts)
-  plan = _search.make_plan(problem, folded, solution, args,
-                           search_s=time.perf_counter() - start, name=name)
-  if layouts:
-    plan = _with_input_layouts(plan, problem, layouts, args)
-  return plan
-
-
-def _with_input_layouts(plan, problem, layouts, args):
-  """Replaces the in_specs of inputs stored in a fixed (FSDP) layout."""
-  import dataclasses  # noqa: PLC0415
-
-  import jax  # noqa: PLC0415
-  from jax.sharding import PartitionSpec  # noqa: PLC0415
-
-  flat = []
-  for spec_tree in plan.in_specs:
-    flat.extend(jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)))
-  for k, i in enumerate(problem.graph.inputs):
-    if i.value in layouts:
-      flat[k] = PartitionSpec(*layouts[i.value].to_partition_spec())
-  specs, k = [], 0
-  for arg in args:
-    leaves, treedef = jax.tree_util.tree_flatten(arg)
-    specs.append(jax.tree_util.tree_unflatten(treedef, flat[k:k + len(leaves)]))
-    k += len(leaves)
-  return dataclasses.replace(plan, in_specs=tuple(specs))
+  return _search.make_plan(problem, folded, solution, args,
+                           search_s=time.perf_counter() - start, name=name,
+                           input_layouts=layouts)

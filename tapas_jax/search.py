@@ -413,8 +413,6 @@ def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,
     for subset in itertools.combinations(axes, r):
       if batch and allowed is not None and not set(subset) <= set(allowed):
         continue
-      if not batch and allowed is not None:
-        pass
       if size % math.prod(mesh.size(a) for a in subset) == 0:
         out.append(subset)
   return tuple(out)
@@ -1108,16 +1106,23 @@ def _budget_error(problem: Problem, budget: float) -> InfeasibleBudgetError:
 
 
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
-              search_s: float, name: str = "tapas"):
-  """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats)."""
+              search_s: float, name: str = "tapas",
+              input_layouts: Mapping[int, costlib.Layout] | None = None):
+  """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
+
+  Args:
+    input_layouts: inputs stored in a fixed layout rather than their classes' (the
+      FSDP baseline); their specs come from here.
+  """
   import jax  # noqa: PLC0415
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   from tapas_jax import plan as planlib  # noqa: PLC0415
 
   g = problem.graph
-  specs = [PartitionSpec(*problem.layout(i.value, solution.choice).to_partition_spec())
-           for i in g.inputs]
+  fixed = input_layouts or {}
+  specs = [PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, solution.choice))
+                         .to_partition_spec()) for i in g.inputs]
   in_specs, k = [], 0
   for arg in args:
     leaves, treedef = jax.tree_util.tree_flatten(arg)

@@ -449,11 +449,11 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
   try:
     closed, out_shape = jx.make_jaxpr(fn, *abstract)
   except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
-    shapes = ", ".join(f"{p}: {jax.tree.leaves(a)[0].shape if jax.tree.leaves(a) else '()'}"
-                       for p, a in zip(range(len(abstract)), abstract))
+    shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
+                       zip(paths[:6], jax.tree.leaves(abstract)))
     raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
-                     f"{len(abstract)} argument(s) ({shapes} ...): "
-                     f"{type(e).__name__}: {e}") from e
+                     f"{len(abstract)} argument(s) ({shapes}"
+                     f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}") from e
   trace_s = time.perf_counter() - start
   start = time.perf_counter()
   walker = _Walker()

@@ -140,6 +140,9 @@ def test_folded_search_is_no_worse_than_any_baseline_with_the_same_freedom():
   for name in baselines.BASELINES:
     base = baselines.baseline(name, *args, mesh=mesh, device="h100", family="gpt")
     assert plan.stats["predicted_step_s"] <= base.stats["predicted_step_s"] * (1 + 1e-9), name
+    if name == "fsdp":  # state stored split over every axis, ZeRO-3 style
+      assert _spec(base, "params/Block_0/MLP/fc1/kernel") == PartitionSpec(
+          None, ("data", "model"))
 
 
 def _spec(plan, path):

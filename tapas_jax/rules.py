@@ -272,6 +272,7 @@ _ELEMENTWISE = (
     "max", "min", "mul", "mulhi", "neg", "nextafter", "pow", "real", "reduce_precision",
     "rem", "round", "rsqrt", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
     "tanh",
+    "one_minus_square",  # jax >= 0.11: the derivative of tanh, 1 - x**2
     # special functions
     "bessel_i0e", "bessel_i1e", "digamma", "erf", "erf_inv", "erfc", "igamma",
     "igamma_grad_a", "igammac", "lgamma", "polygamma", "regularized_incomplete_beta",

@@ -113,12 +113,11 @@ class View:
 
 
 def _scan_region(graph: Graph, op: Op):
-  """The body region of a scan (a counted loop with consts/carry params), else None."""
-  if "num_carry" not in op.raw_params or "num_consts" not in op.raw_params:
-    return None
+  """The body region of a counted loop whose operands bind 1:1 to its body, else None."""
   for r in op.subregions:
     region = graph.regions[r]
-    if region.trip_count:
+    if (region.trip_count and len(region.inputs) == len(op.inputs)
+        and len(region.outputs) == len(op.outputs)):
       return region
   return None
 
@@ -126,20 +125,28 @@ def _scan_region(graph: Graph, op: Op):
 def _scan_bindings(graph: Graph, op: Op):
   """(outer value, body value, dim shift) pairs tying a scan to its body.
 
-  Consts and carries keep their dims; scanned inputs and stacked outputs have the
-  loop dim in front (shift 1). The carry out of the body is the carry in.
+  Told apart by shape, which every jax release keeps (the params naming consts and
+  carries changed in jax 0.11): an operand shaped like its body value is a const or
+  carry (shift 0); one with the trip count in front is scanned (shift 1). Anything
+  else is left unbound. Where the params still say which operands are carries, the
+  body's carry out is also tied to its carry in.
   """
   region = _scan_region(graph, op)
-  consts, carry = op.raw_params["num_consts"], op.raw_params["num_carry"]
-  for k, (outer, inner) in enumerate(zip(op.inputs, region.inputs)):
-    if outer not in graph.literals:
-      yield outer, inner, 0 if k < consts + carry else 1
-  for k, (outer, inner) in enumerate(zip(op.outputs, region.outputs)):
-    if inner not in graph.literals:
-      yield outer, inner, 0 if k < carry else 1
-  for inner_in, inner_out in zip(region.inputs[consts:consts + carry], region.outputs[:carry]):
-    if inner_out not in graph.literals:
-      yield inner_in, inner_out, 0
+  for outers, inners in ((op.inputs, region.inputs), (op.outputs, region.outputs)):
+    for outer, inner in zip(outers, inners):
+      if outer in graph.literals or inner in graph.literals:
+        continue
+      shape, body = graph.types[outer].shape, graph.types[inner].shape
+      if shape == body:
+        yield outer, inner, 0
+      elif shape == (region.trip_count,) + body:
+        yield outer, inner, 1
+  consts, carry = op.raw_params.get("num_consts"), op.raw_params.get("num_carry")
+  if consts is not None and carry is not None:
+    for inner_in, inner_out in zip(region.inputs[consts:consts + carry],
+                                   region.outputs[:carry]):
+      if inner_out not in graph.literals:
+        yield inner_in, inner_out, 0
 
 
 def _with_scan_bodies(graph: Graph, view: View) -> View:
@@ -520,21 +527,31 @@ class _TableBuilder:
     self._fclass[op.index] = out
     return out
 
-  def op_table(self, op: Op) -> _Table | None:
+  def op_tables(self, op: Op) -> list[_Table | None]:
+    """The op's cost as tables. An op with no factors (replicated: an unknown
+    primitive, a loop kept whole) couples nothing, so each input edge gets a table of
+    its own: one joint table over every operand's classes would grow without bound.
+    """
+    if self.p.rules[op.index].factor_sizes:
+      return [self.op_table(op)]
+    return [self.op_table(op, only=k) for k in range(len(op.inputs))]
+
+  def op_table(self, op: Op, only: int | None = None) -> _Table | None:
     p, g = self.p, self.p.graph
     rule = p.rules[op.index]
     fclass = self.factor_classes(op)
     edges = []
     keep = self.keeps(op)
     for k, v in enumerate(op.inputs):
-      if v in g.literals or not g.types[v].shape:
+      if v in g.literals or not g.types[v].shape or only not in (None, k):
         continue
       src_dims, partial = self._src(v)
       if not keep:
         partial = None  # reduced once where it is made: see `resolve_table`
       dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
       edges.append((g.types[v], self.fixed.get(v, src_dims), partial, dst_dims, keep))
-    return self._table(("op", op.signature), fclass, rule.flops, g.types[op.outputs[0]]
+    flops = rule.flops if only in (None, 0) else 0.0
+    return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
                        if op.outputs else None, edges)
 
   def resolve_table(self, v: int) -> _Table | None:
@@ -735,7 +752,7 @@ def _all_tables(problem: Problem, builder: _TableBuilder) -> list[_Table]:
   weighted = []
   for op in builder.ops:
     w = problem.view.weight.get(op.index, 1)
-    weighted.append((builder.op_table(op), w))
+    weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
   return [t if w == 1 else _Table(t.scope, t.time * w, t.comm * w)

@@ -89,7 +89,8 @@ def test_sharded_step_computes_the_same_numbers(name, overrides):
       placed[0].params, placed[0].model_state, placed[1])
   ref_g = jax.jit(grad)(state.params, state.model_state, batch)
   for a, b in zip(jax.tree.leaves(sharded_g), jax.tree.leaves(ref_g)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # float32 sums in another order: absolute error scales with the array's magnitude.
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6 * max(1.0, float(np.abs(b).max())))
 
 
 def _problems(name, mesh, device="cpu", batch_axes=("data",), **overrides):

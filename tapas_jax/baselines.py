@@ -62,8 +62,15 @@ def _batch_choice(problem, axes) -> dict[int, tuple[str, ...]]:
   return {c.index: _widest(problem, c.index, axes) for c in problem.classes if c.batch}
 
 
-def _fsdp_layouts(problem) -> dict[int, costlib.Layout]:
-  out = {}
+def _fsdp(problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costlib.Layout]]:
+  """Every state input stored split over all axes on its largest divisible dim.
+
+  Where the search sees the input apart from its compute (parameters and optimizer
+  state under a state update), that is a choice of its storage class: gradients are
+  reduce-scattered into it and parameters gathered for use. Other inputs get a fixed
+  layout, gathered where they are read.
+  """
+  choice, layouts = {}, {}
   axes = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
   n = math.prod(problem.mesh.size(a) for a in axes)
   for i in problem.graph.inputs:
@@ -71,10 +78,15 @@ def _fsdp_layouts(problem) -> dict[int, costlib.Layout]:
     if i.arg in problem.batch_args or not shape:
       continue
     dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
-    if dims:
-      out[i.value] = costlib.Layout(tuple(axes if d == dims[0] else () for d in
-                                          range(len(shape))))
-  return out
+    if not dims:
+      continue
+    c = problem.vclass(i.value, dims[0])
+    if problem.stored_apart(i.value) and axes in problem.domains[c]:
+      choice.setdefault(c, axes)
+    else:
+      layouts[i.value] = costlib.Layout(tuple(axes if d == dims[0] else ()
+                                              for d in range(len(shape))))
+  return choice, layouts
 
 
 def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, ...]]:
@@ -86,8 +98,8 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
   for i in problem.graph.inputs:
     for pattern, dim in MEGATRON_SPLITS[family]:
       if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
-        c = problem.vclass(i.value, dim)
-        choice[c] = _widest(problem, c, model_axes)
+        for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim)}:
+          choice[c] = _widest(problem, c, model_axes)  # stored as it is used
   return {c: a for c, a in choice.items() if a}
 
 
@@ -127,7 +139,8 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   else:
     choice = {c: a for c, a in _batch_choice(problem, every).items() if a}
     if name == "fsdp":
-      layouts = _fsdp_layouts(problem)
+      stored, layouts = _fsdp(problem)
+      choice.update(stored)
   solution = _search.evaluate(problem, choice, input_layouts=layouts)
   return _search.make_plan(problem, folded, solution, args,
                            search_s=time.perf_counter() - start, name=name,

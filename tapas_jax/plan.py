@@ -32,12 +32,17 @@ class LayerStrategy:
   Attributes:
     name: the unique layer's name ("Block", "encoder/layers", "glue").
     instances: how many instances use it.
-    param_specs: (path of a parameter read by its first instance, PartitionSpec).
+    param_specs: (path of a parameter read by its first instance, PartitionSpec it is
+      stored in).
+    use_specs: (path, PartitionSpec) for those of its parameters the compute reads in
+      another layout than they are stored in (ZeRO-3: stored split over `data`, gathered
+      for use); the gather happens once per step.
   """
 
   name: str
   instances: int
   param_specs: tuple[tuple[str, PartitionSpec], ...]
+  use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,12 @@ class Plan:
     else:
       lines.append("  nothing split: replicated")
     for layer in self.layers:
-      specs = [f"{path}: {_spec_text(spec)}" for path, spec in layer.param_specs[:8]]
+      used = dict(layer.use_specs)
+      # Gathered parameters first: where storage and use differ is the news.
+      shown = sorted(layer.param_specs, key=lambda ps: ps[0] not in used)[:8]
+      specs = [f"{path}: {_spec_text(spec)}"
+               + (f" used as {_spec_text(used[path])}" if path in used else "")
+               for path, spec in shown]
       more = f" ... {len(layer.param_specs) - 8} more" if len(layer.param_specs) > 8 else ""
       lines.append(f"  {layer.name} x{layer.instances}: " + "; ".join(specs) + more)
     return "\n".join(lines)

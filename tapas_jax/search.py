@@ -9,12 +9,21 @@ sizes divide it; the batch class only takes `batch_axes`). Two classes may share
 axis (Megatron puts heads and MLP hidden both on `model`) unless one op or tensor
 holds both.
 
+The state update (an optimizer's pointwise ops from parameters, moments and gradients
+to the next step's state; `_update_ops`) gets classes of its own: parameters are
+*stored* in the update's layout and *used* in the compute's, gradients are *made* in
+the compute's and *delivered* in the update's. The two meet at cuts costed like any
+edge, once per step, so the search can store state split over `data` while computing
+tensor parallel on `model` (ZeRO: gradients reduce-scattered, parameters gathered).
+
 Cost = sum over ops of compute (FLOPs / shards / peak) and the collectives on its input
 edges (`cost.reshard` from the producer's layout, partial sums included, to the layout
-the op needs), plus state carried from outputs back to inputs. Each op's cost depends
-only on the few classes it touches, so the objective is a sum of small tables over
-class variables, minimised exactly by variable elimination (min-sum). A memory budget
-enters as a Lagrange weight on per-device state bytes, tuned by bisection.
+the op needs), the cuts, plus state carried from outputs back to inputs. Each op's cost
+depends only on the few classes it touches, so the objective is a sum of small tables
+over class variables, minimised exactly by variable elimination (min-sum). A memory
+budget covers the inputs plus the intermediates live at the activation peak; it enters
+as a Lagrange weight tuned by bisection (a hard row in the integer program), re-posed at
+the new peak while the peak moves.
 
 Folding: ops of instances of one unique layer have identical tables, so with
 `fold=True` each table is built once per unique layer and reused for every instance
@@ -36,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -59,6 +69,8 @@ DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
 # first is cheaper there.
 _LINEAR = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "transpose",
                      "reshape", "reduce_sum", "copy", "squeeze", "expand_dims"})
+# Ops linear in their first operand when every other operand is a scalar.
+_SCALING = frozenset({"mul", "div"})
 # A chain of linear ops summing partial values from many layers (the cotangent of a
 # value every layer reads) is reduced once it spans more classes than this, so that no
 # cost table grows with depth.
@@ -218,6 +230,10 @@ class Problem:
     state_pairs: (output value, input value, count) of state carried to the next step.
     batch_args: positional arguments whose leaves' dim 0 is the batch.
     view: the ops searched and what they stand for.
+    factor_class: op index -> class of each factor of its rule (-1: on no value dim).
+    reader_dims: (value, read by the update?) -> class per dim, for values the state
+      update and the compute see apart (parameters, gradients); absent: `vclass`.
+    update_ops: the ops of the state update (see `_update_ops`).
   """
 
   graph: Graph
@@ -230,6 +246,10 @@ class Problem:
   state_pairs: tuple[tuple[int, int, int], ...]
   batch_args: tuple[int, ...]
   view: View
+  factor_class: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+  reader_dims: Mapping[tuple[int, bool], tuple[int, ...]] = dataclasses.field(
+      default_factory=dict)
+  update_ops: frozenset[int] = frozenset()
 
   def cv(self, v: int) -> int:
     """The value standing for v in the view."""
@@ -237,6 +257,20 @@ class Problem:
 
   def vclass(self, v: int, d: int) -> int:
     return self.value_class[(self.cv(v), d)]
+
+  def read_class(self, v: int, d: int, in_update: bool = False) -> int:
+    """Class of dim d of value v as the compute (or the update) reads it."""
+    dims = self.reader_dims.get((self.cv(v), in_update))
+    return dims[d] if dims is not None else self.vclass(v, d)
+
+  def stored_apart(self, v: int) -> bool:
+    """Whether input v's storage classes are its own, not its compute's: the update
+    reads it and the compute, if it reads it at all, reads it through a cut."""
+    v = self.cv(v)
+    if (v, False) in self.reader_dims:
+      return True
+    users = self.graph.consumers.get(v, ())
+    return bool(users) and all(u in self.update_ops for u in users)
 
   def layout(self, value: int, choice: Mapping[int, tuple[str, ...]]) -> costlib.Layout:
     """Layout of a graph input under a class choice."""
@@ -319,6 +353,64 @@ def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int
   return tuple((o, i, n) for (o, i), n in counts.items())
 
 
+def _state_outputs(graph: Graph) -> frozenset[int]:
+  """Outputs that are the next step's value of an input (see `_state_pairs`)."""
+  inputs = {i.path: i.value for i in graph.inputs}
+  out = set()
+  for v, path in zip(graph.outputs, graph.output_paths):
+    src = inputs.get(path.split("/", 1)[1]) if "/" in path else None
+    if src is not None and graph.types[src] == graph.types[v]:
+      out.add(v)
+  return frozenset(out)
+
+
+def _pointwise(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
+  """Every tensor operand and result has one shape and the same factor on each dim."""
+  if rule.reduce or not op.outputs or op.subregions:
+    return False
+  shape = graph.types[op.outputs[0]].shape
+  if not shape or any(graph.types[v].shape != shape for v in op.outputs):
+    return False
+  dims = rule.outputs[0]
+  if None in dims or any(d != dims for d in rule.outputs):
+    return False
+  for v, d in zip(op.inputs, rule.inputs):
+    if v in graph.literals or not graph.types[v].shape:
+      continue
+    if graph.types[v].shape != shape or d != dims:
+      return False
+  return True
+
+
+def _update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.OpRule]
+                ) -> frozenset[int]:
+  """The state update: pointwise ops whose results feed only each other and state outputs.
+
+  An optimizer's update (Adam's moments, weight decay, `params - lr * u`) is such a
+  region in any train step, found without names. The search gives it dimension classes
+  of its own, so parameters and optimizer state can be stored split over an axis their
+  compute does not use (ZeRO): gradients arrive by reduce-scatter, parameters are
+  gathered for use.
+  """
+  outputs, state = set(graph.outputs), _state_outputs(graph)
+  region: set[int] = set()
+  for op in reversed(top):  # consumers come after producers: decided first
+    if not _pointwise(graph, op, rules[op.index]):
+      continue
+    if all((v in state or (v not in outputs and graph.consumers.get(v)))
+           and all(c in region for c in graph.consumers.get(v, ())) for v in op.outputs):
+      region.add(op.index)
+  # The update starts at the state: an op reading neither an input nor the update (the
+  # sum of a tied weight's two gradients) stays with the compute, where partial sums
+  # add up before one reduction.
+  inputs, kept = set(graph.input_path), set()
+  for op in top:
+    if op.index in region and any(v in inputs or graph.producer.get(v) in kept
+                                  for v in op.inputs):
+      kept.add(op.index)
+  return frozenset(kept)
+
+
 def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
                   batch_axes: Sequence[str] | None,
                   batch_args: Sequence[int] | None = None, view: View | None = None) -> Problem:
@@ -331,15 +423,42 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   canon = view.canon
   cv = lambda v: canon.get(v, v)  # noqa: E731
   top = [graph.ops[i] for i in view.ops if i not in view.loops]
-  rules = {op.index: ruleslib.rule_for(graph, op) for op in top}
+  by_signature: dict[str, ruleslib.OpRule] = {}  # a rule depends on the signature alone
+  rules = {}
+  for op in top:
+    if op.signature not in by_signature:
+      by_signature[op.signature] = ruleslib.rule_for(graph, op)
+    rules[op.index] = by_signature[op.signature]
+  update = _update_ops(graph, top, rules)
+  readers: dict[int, set[bool]] = {}  # value -> read by update ops (True), others (False)
+  for op in top:
+    for v in op.inputs:
+      if v not in graph.literals:
+        readers.setdefault(cv(v), set()).add(op.index in update)
+  # Values the update region and the compute see in layouts of their own: parameters
+  # (stored as the update has them, used as the compute wants) and gradients (made as
+  # the compute has them, delivered as the update wants).
+  producer = {cv(v): op.index for op in top for v in op.outputs}
+  cut_use = {v for v, r in readers.items() if r == {True, False} and v not in producer}
+  cut_update = {v for v, r in readers.items() if True in r and v in producer
+                and producer[v] not in update}
   uf = _UnionFind()
   node: dict[tuple[int, int], int] = {}
+  side: dict[tuple[int, int, bool], int] = {}
 
   def vnode(v: int, d: int) -> int:
     key = (v, d)
     if key not in node:
       node[key] = uf.add()
     return node[key]
+
+  def read_node(v: int, d: int, in_update: bool) -> int:
+    if (v in cut_use and not in_update) or (v in cut_update and in_update):
+      key = (v, d, in_update)
+      if key not in side:
+        side[key] = uf.add()
+      return side[key]
+    return vnode(v, d)
 
   pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
   for loop in view.loops:
@@ -349,39 +468,51 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
       if shift:
         pinned.add(vnode(cv(outer), 0))
 
-  conflicts_ops = []
+  op_factor_nodes = {}
   for op in top:
     rule = rules[op.index]
     fnodes = [uf.add() for _ in rule.factor_sizes]
-    conflicts_ops.append(fnodes)
-    for values, dims in ((op.inputs, rule.inputs), (op.outputs, rule.outputs)):
-      for v, fs in zip(values, dims):
-        if v in graph.literals:
-          continue
-        for d, f in enumerate(fs):
-          n = vnode(cv(v), d)
-          if f is not None:
-            uf.union(fnodes[f], n)
+    op_factor_nodes[op.index] = fnodes
+    for k, (v, fs) in enumerate(zip(op.inputs, rule.inputs)):
+      if v in graph.literals:
+        continue
+      for d, f in enumerate(fs):
+        n = read_node(cv(v), d, op.index in update)
+        if f is not None:
+          uf.union(fnodes[f], n)
+    for v, fs in zip(op.outputs, rule.outputs):
+      for d, f in enumerate(fs):
+        n = vnode(cv(v), d)
+        if f is not None:
+          uf.union(fnodes[f], n)
   for i in graph.inputs:
     for d in range(len(graph.types[i.value].shape)):
       vnode(cv(i.value), d)
 
-  roots = sorted({uf.find(n) for n in node.values()})
+  all_nodes = list(node.items()) + [((v, d), n) for (v, d, _), n in side.items()]
+  roots = sorted({uf.find(n) for _, n in all_nodes})
   index = {r: k for k, r in enumerate(roots)}
   value_class = {key: index[uf.find(n)] for key, n in node.items()}
+  side_class = {key: index[uf.find(n)] for key, n in side.items()}
+  factor_class = {i: tuple(index.get(uf.find(n), -1) for n in fnodes)
+                  for i, fnodes in op_factor_nodes.items()}
   sizes: dict[int, set[int]] = {}
   example: dict[int, str] = {}
-  for (v, d), c in value_class.items():
-    sizes.setdefault(c, set()).add(graph.types[v].shape[d])
+  for (v, d), n in all_nodes:
+    sizes.setdefault(index[uf.find(n)], set()).add(graph.types[v].shape[d])
+  for (v, d, _), c in side_class.items():  # where a parameter is used
     if v in graph.input_path and c not in example:
       example[c] = f"{graph.input_path[v]}[{d}]"
+  for i in graph.inputs:  # where it is stored
+    for d in range(len(graph.types[i.value].shape)):
+      c = value_class[(cv(i.value), d)]
+      if c not in example:
+        example[c] = f"{i.path}[{d}]" + (" stored" if cv(i.value) in cut_use else "")
   conflicted = {index[uf.find(n)] for n in pinned}
-  for fnodes in conflicts_ops:
-    cs = [index[uf.find(n)] for n in fnodes if uf.find(n) in index]
-    conflicted.update(c for c in cs if cs.count(c) > 1)
-  for v in {v for v, _ in value_class}:
-    cs = [value_class[(v, d)] for d in range(len(graph.types[v].shape))]
-    conflicted.update(c for c in cs if cs.count(c) > 1)
+  for i, cs in factor_class.items():
+    conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
+  for dims in _value_dims(graph, value_class, side_class):
+    conflicted.update(c for c in dims if dims.count(c) > 1)
 
   if batch_args is None:
     batch_args = (graph.num_args - 1,) if graph.num_args > 1 else ()
@@ -404,10 +535,25 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
                             example=example.get(c, "")))
     domains.append(_domain(size if splittable else 1, mesh,
                            allowed_batch if batch else None, batch))
+  reads = {}
+  for (v, d, in_update), c in side_class.items():
+    reads.setdefault((v, in_update), {})[d] = c
+  reader_dims = {key: tuple(dims[d] for d in range(len(dims))) for key, dims in reads.items()}
   return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
                  domains=tuple(domains), value_class=value_class, rules=rules,
                  state_pairs=_state_pairs(graph, canon), batch_args=tuple(batch_args),
-                 view=view)
+                 view=view, factor_class=factor_class, reader_dims=reader_dims,
+                 update_ops=update)
+
+
+def _value_dims(graph: Graph, value_class, side_class):
+  """Per value (and per cut side), the class of each dim."""
+  by_value: dict[tuple, dict[int, int]] = {}
+  for (v, d), c in value_class.items():
+    by_value.setdefault((v,), {})[d] = c
+  for (v, d, s), c in side_class.items():
+    by_value.setdefault((v, s), {})[d] = c
+  return [list(dims.values()) for dims in by_value.values()]
 
 
 def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,
@@ -481,14 +627,15 @@ class _TableBuilder:
       return self._partial[v]
     self._partial[v] = None  # cycles cannot occur in a jaxpr; this guards recursion
     expr = None
-    if v in self.producer:
+    if v in self.producer and self.producer[v] not in self.p.update_ops:
+      # The update reads its operands whole (their cut reduced them), so is never partial.
       op = self.p.graph.ops[self.producer[v]]
       rule = self.p.rules[op.index]
       if rule.reduce:
         classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
                                 and self.p.classes[c].splittable}))
         expr = ("r", classes) if classes else None
-      elif op.primitive in _LINEAR:
+      elif self._linear(op):
         operands = self._operand_exprs(op)
         if operands and all(e is not None for e in operands):
           expr = ("l", tuple(operands))
@@ -499,9 +646,19 @@ class _TableBuilder:
 
   def keeps(self, op: Op) -> bool:
     """Whether a linear op may take its operands' partial sums as they are."""
-    if op.primitive not in _LINEAR or self.p.rules[op.index].reduce:
+    if not self._linear(op) or self.p.rules[op.index].reduce:
       return False
     return op.outputs != () and self.partial_expr(op.outputs[0]) is not None
+
+  def _linear(self, op: Op) -> bool:
+    """Linear in its tensor operands: a `_LINEAR` op, or one tensor scaled by scalars
+    (Adam's `(1 - b1) * g`), whose partial sums may be reduced after it."""
+    if op.primitive in _LINEAR:
+      return True
+    g = self.p.graph
+    tensors = [k for k, v in enumerate(op.inputs) if g.types[v].shape]
+    return (op.primitive in _SCALING and tensors == [0]) or (
+        op.primitive == "mul" and len(tensors) == 1)
 
   def _operand_exprs(self, op: Op) -> list:
     g = self.p.graph
@@ -509,23 +666,11 @@ class _TableBuilder:
             if v not in g.literals and g.types[v].shape]
 
   def _factor_class(self, op: Op, f: int) -> int:
-    return self.factor_classes(op)[f]
+    return self.p.factor_class[op.index][f]
 
   def factor_classes(self, op: Op) -> list[int]:
-    """Class of each factor of op, found through the value dims mapped to it."""
-    if op.index in self._fclass:
-      return self._fclass[op.index]
-    rule = self.p.rules[op.index]
-    out = [-1] * len(rule.factor_sizes)  # -1: no value dim carries it; never split
-    for values, dims in ((op.inputs, rule.inputs), (op.outputs, rule.outputs)):
-      for v, fs in zip(values, dims):
-        if v in self.p.graph.literals:
-          continue
-        for d, f in enumerate(fs):
-          if f is not None and out[f] < 0:
-            out[f] = self.p.vclass(v, d)
-    self._fclass[op.index] = out
-    return out
+    """Class of each factor of op (-1: no value dim carries it; never split)."""
+    return list(self.p.factor_class[op.index])
 
   def op_tables(self, op: Op) -> list[_Table | None]:
     """The op's cost as tables. An op with no factors (replicated: an unknown
@@ -545,11 +690,16 @@ class _TableBuilder:
     for k, v in enumerate(op.inputs):
       if v in g.literals or not g.types[v].shape or only not in (None, k):
         continue
-      src_dims, partial = self._src(v)
+      cut = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
+      if cut is not None:  # delivered in the reader's layout by `cut_table`
+        src_dims, partial = cut, None
+      else:
+        src_dims, partial = self._src(v)
+        src_dims = self.fixed.get(v, src_dims)
       if not keep:
         partial = None  # reduced once where it is made: see `resolve_table`
       dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
-      edges.append((g.types[v], self.fixed.get(v, src_dims), partial, dst_dims, keep))
+      edges.append((g.types[v], src_dims, partial, dst_dims, keep))
     flops = rule.flops if only in (None, 0) else 0.0
     return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
                        if op.outputs else None, edges)
@@ -563,7 +713,7 @@ class _TableBuilder:
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [g.ops[c] for c in self.users.get(v, ())]
+    users = [g.ops[c] for c in self.users.get(v, ()) if c not in self.p.update_ops]
     if all(self.keeps(u) for u in users) and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
@@ -576,6 +726,18 @@ class _TableBuilder:
     dst = self.fixed.get(inp) or tuple(self.p.vclass(inp, d) for d in range(rank))
     return self._table(("carry",), [], 0.0, None,
                        [(self.p.graph.types[inp], src_dims, partial, dst, False)])
+
+  def cut_table(self, v: int, in_update: bool) -> _Table | None:
+    """Bringing a value seen apart by the update and the compute into the reader's
+    layout, once per step: a parameter gathered for use (ZeRO-3's all-gather), a
+    gradient reduced into the update's layout (an all-reduce, or a reduce-scatter
+    when the update is split further)."""
+    src_dims, _ = self._src(v)
+    src_dims = self.fixed.get(v, src_dims)
+    partial = self.partial_expr(v) if in_update else None
+    dst = self.p.reader_dims[(v, in_update)]
+    return self._table(("cut",), [], 0.0, None,
+                       [(self.p.graph.types[v], src_dims, partial, dst, False)])
 
   def _table(self, kind, fclass, flops, out_type, edges) -> _Table | None:
     scope: list[int] = []
@@ -618,9 +780,10 @@ class _TableBuilder:
     t = np.zeros(shape)
     b = np.zeros(shape)
     dtype = out_type.dtype if out_type is not None else "float32"
+    split = sorted({q for q in fpos if q is not None})
     for idx in itertools.product(*(range(n) for n in shape)):
-      axes = [domains[k][i] for k, i in enumerate(idx)]
-      used = [a for k in {q for q in fpos if q is not None} for a in axes[k]]
+      axes = tuple(domains[k][i] for k, i in enumerate(idx))
+      used = [a for k in split for a in axes[k]]
       if len(used) != len(set(used)):
         t[idx] = np.inf  # one op split twice over one mesh axis
         continue
@@ -631,23 +794,37 @@ class _TableBuilder:
       # A linear op sums partial operands as they are when all hold the same axes.
       keep_all = bool(parts) and all(q == parts[0] for q in parts) and bool(parts[0])
       for (ttype, src, _, dst, keep), part in zip(epos, parts):
-        src_l = src if isinstance(src, costlib.Layout) else _layout(src, axes)
-        dst_l = dst if isinstance(dst, costlib.Layout) else _layout(dst, axes)
-        part = tuple(a for a in part if a not in src_l.axes)
-        try:
-          src_l = costlib.Layout(src_l.dims, partial=part)
-          if keep and keep_all:
-            dst_l = costlib.Layout(dst_l.dims, partial=tuple(
-                a for a in part if a not in dst_l.axes))
-          steps = costlib.reshard(ttype.shape, ttype.itemsize, src_l, dst_l, p.mesh,
-                                  p.profile)
-        except ValueError:
+        src_d = src.dims if isinstance(src, costlib.Layout) else _dims(src, axes)
+        dst_d = dst.dims if isinstance(dst, costlib.Layout) else _dims(dst, axes)
+        edge = _edge_cost(ttype.shape, ttype.itemsize, src_d, part, dst_d, keep and keep_all,
+                          p.mesh, p.profile)
+        if edge is None:
           total = np.inf
           break
-        total += sum(c.time_s for c in steps)
-        sent += sum(c.bytes_sent_per_device for c in steps)
+        total += edge[0]
+        sent += edge[1]
       t[idx], b[idx] = total, sent
     return t, b
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _edge_cost(shape, itemsize, src_dims, part, dst_dims, keep_partial, mesh, profile):
+  """(seconds, bytes sent) to bring a value from src to dst; None if impossible.
+
+  `part`: axes the value is partial over as it arrives; with `keep_partial` the consumer
+  takes the partial sums as they are (a linear op), else they are reduced first.
+  """
+  src_axes = {a for d in src_dims for a in d}
+  part = tuple(a for a in part if a not in src_axes)
+  try:
+    src_l = costlib.Layout(src_dims, partial=part)
+    dst_axes = {a for d in dst_dims for a in d}
+    dst_l = costlib.Layout(dst_dims, partial=tuple(a for a in part if a not in dst_axes)
+                           if keep_partial else ())
+    steps = costlib.reshard(shape, itemsize, src_l, dst_l, mesh, profile)
+  except ValueError:
+    return None
+  return sum(c.time_s for c in steps), sum(c.bytes_sent_per_device for c in steps)
 
 
 def _expr_classes(expr) -> set[int]:
@@ -668,13 +845,16 @@ def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
   return operands[0] if operands and all(o == operands[0] for o in operands) else ()
 
 
-def _layout(positions: Sequence[int | None], axes: Sequence[tuple[str, ...]]) -> costlib.Layout:
+def _dims(positions: Sequence[int | None],
+          axes: Sequence[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+  """Per-dim mesh axes of a value whose dims sit at these scope positions; an axis
+  splits only the first dim that asks for it."""
   dims, seen = [], set()
   for q in positions:
     entry = tuple(a for a in axes[q] if a not in seen) if q is not None else ()
     seen.update(entry)
     dims.append(entry)
-  return costlib.Layout(tuple(dims))
+  return tuple(dims)
 
 
 # -- solving -----------------------------------------------------------------------
@@ -695,14 +875,24 @@ def _memory_tables(problem: Problem,
     if i.value in fixed:
       fixed_bytes += t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh)
       continue
-    scope = []
-    for d in range(len(t.shape)):
-      c = problem.vclass(i.value, d)
-      if problem.classes[c].splittable and c not in scope:
-        scope.append(c)
-    key = tuple(scope)
+    dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
+    key = _scope(problem, dims)
     total[key] = total.get(key, 0.0) + t.nbytes
   out = [_Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
+  return out + _bytes_tables(problem, total)
+
+
+def _scope(problem: Problem, dims: Iterable[int | None]) -> tuple[int, ...]:
+  scope: list[int] = []
+  for c in dims:
+    if c is not None and problem.classes[c].splittable and c not in scope:
+      scope.append(c)
+  return tuple(scope)
+
+
+def _bytes_tables(problem: Problem, total: Mapping[tuple[int, ...], float]) -> list[_Table]:
+  """Per-device bytes as tables: for each scope, its bytes over the mesh axes chosen."""
+  out = []
   for scope, nbytes in total.items():
     domains = [problem.domains[c] for c in scope]
     table = np.empty(tuple(len(d) for d in domains))
@@ -711,6 +901,64 @@ def _memory_tables(problem: Problem,
       table[idx] = nbytes / math.prod(problem.mesh.size(a) for a in axes)
     out.append(_Table(scope, table, np.zeros_like(table)))
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Activations:
+  """Every top-level intermediate value: live range and the class of each dim."""
+
+  start: np.ndarray      # program position of the op writing it
+  stop: np.ndarray       # position of its last reader
+  nbytes: np.ndarray
+  dims: tuple[tuple[int | None, ...], ...]
+  length: int            # number of top-level ops
+
+
+def _activations(problem: Problem) -> _Activations:
+  g = problem.graph
+  top = g.region_ops(0)
+  pos = {op.index: j for j, op in enumerate(top)}
+  start, stop, nbytes, dims = [], [], [], []
+  for j, op in enumerate(top):
+    rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+    if rule is None:
+      continue
+    for slot, v in enumerate(op.outputs):
+      t = g.types[v]
+      if not t.shape or (problem.cv(v), 0) not in problem.value_class:
+        continue
+      start.append(j)
+      stop.append(max((pos[c] for c in g.consumers.get(v, ()) if c in pos), default=j))
+      nbytes.append(t.nbytes)
+      dims.append(tuple(None if f is None else problem.vclass(v, d)
+                        for d, f in enumerate(rule.outputs[slot])))
+  return _Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
+                      tuple(dims), len(top))
+
+
+def _activation_peak(problem: Problem, acts: _Activations,
+                     choice: Mapping[int, tuple[str, ...]]) -> tuple[float, int]:
+  """(peak per-device bytes of live intermediates, program position of the peak)."""
+  if not len(acts.nbytes):
+    return 0.0, 0
+  shards = np.array([math.prod(problem.mesh.size(a) for a in
+                               {a for c in dims if c is not None for a in choice.get(c, ())})
+                     for dims in acts.dims], float)
+  delta = np.zeros(acts.length + 1)
+  np.add.at(delta, acts.start, acts.nbytes / shards)
+  np.add.at(delta, np.minimum(acts.stop + 1, acts.length), -acts.nbytes / shards)
+  live = np.cumsum(delta)
+  k = int(np.argmax(live))
+  return float(live[k]), k
+
+
+def _activation_tables(problem: Problem, acts: _Activations, at: int) -> list[_Table]:
+  """Per-device bytes of the values live at program position `at`, as tables."""
+  total: dict[tuple[int, ...], float] = {}
+  for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)):
+    key = _scope(problem, acts.dims[k])
+    total[key] = total.get(key, 0.0) + float(acts.nbytes[k])
+  return _bytes_tables(problem, total)
 
 
 def _eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
@@ -755,6 +1003,10 @@ def _all_tables(problem: Problem, builder: _TableBuilder) -> list[_Table]:
     weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
+  for v, in_update in problem.reader_dims:
+    readers = [i for i in builder.users.get(v, ()) if (i in problem.update_ops) == in_update]
+    w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
+    weighted.append((builder.cut_table(v, in_update), w))
   return [t if w == 1 else _Table(t.scope, t.time * w, t.comm * w)
           for t, w in weighted if t is not None]
 
@@ -779,7 +1031,8 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
       unfolded reference: every op's table built on its own, and the whole program
       solved as one integer program (HiGHS via scipy), Alpa-style.
     memory_budget: per-device bytes for the program's inputs (params, optimizer
-      state, batch); None means unconstrained.
+      state, batch) plus the intermediates live at the activation peak; None means
+      unconstrained.
     time_limit: seconds for the integer program (fold=False); `Solution.status`
       says "time_limit" when it stopped early.
 
@@ -793,29 +1046,29 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
   domain_size = {c: len(problem.domains[c]) for c in range(len(problem.classes))
                  if len(problem.domains[c]) > 1}
 
-  def factors_of(weight: float):
+  def factors_of(mem, weight: float):
     out = [(t.scope, t.time) for t in tables if t.scope]
-    out += [(t.scope, weight * t.time) for t in memory if t.scope and weight]
+    out += [(t.scope, weight * t.time) for t in mem if t.scope and weight]
     out = [(tuple(c for c in s if c in domain_size), _restrict(s, tab, domain_size))
            for s, tab in out]
     return [f for f in out if f[0]]
 
   weight, status = 0.0, "optimal"
-  use_ilp = not fold
   if fold:
     for level in ("full", "single-axis", "batch-only"):
       keep = _reduced_domains(problem, level)
       sizes = {c: len(k) for c, k in keep.items() if len(k) > 1}
 
-      def run(w, keep=keep, sizes=sizes):
-        picked = _eliminate(_take(factors_of(w), keep, sizes), sizes)
+      def run(mem, w, keep=keep, sizes=sizes):
+        picked = _eliminate(_take(factors_of(mem, w), keep, sizes), sizes)
         return {c: keep[c][i] for c, i in picked.items()}
 
+      def solve_within(mem, run=run):
+        return _fit_budget(lambda w: run(mem, w), mem, memory_budget)
+
       try:
-        assignment = run(0.0)
-        state = _evaluate(memory, assignment)[0]
-        if memory_budget is not None and state > memory_budget:
-          weight, assignment, state = _fit_budget(run, memory, memory_budget, tables)
+        assignment, weight = _within_budget(problem, run([], 0.0), memory, memory_budget,
+                                            solve_within)
         break
       except _TooEntangled:
         # Too entangled for exact elimination over every axis subset (e.g. ResNet's
@@ -826,12 +1079,23 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
       raise RuntimeError("search: the dimension classes are too entangled to solve")
     if level != "full":
       status = f"exact over reduced domains ({level})"
-  if use_ilp:
-    mem = [(tuple(c for c in t.scope if c in domain_size),
-            _restrict(t.scope, t.time, domain_size)) for t in memory]
-    assignment, status = _solve_ilp(factors_of(0.0), domain_size, mem, memory_budget,
-                                    time_limit)
-    state = _evaluate(memory, assignment)[0]
+  else:
+    def ilp(mem, budget):
+      rows = [(tuple(c for c in t.scope if c in domain_size),
+               _restrict(t.scope, t.time, domain_size)) for t in mem]
+      return _solve_ilp(factors_of([], 0.0), domain_size, rows, budget, time_limit)
+
+    first, status = ilp(memory, None)
+    statuses = [status]
+
+    def solve_within(mem):
+      assignment, st = ilp(mem, memory_budget)
+      statuses.append(st)
+      return assignment, 0.0
+
+    assignment, _ = _within_budget(problem, first, memory, memory_budget, solve_within)
+    status = statuses[-1]
+  state = _evaluate(memory, assignment)[0]
   step_s, comm = _evaluate(tables, assignment)
   if not np.isfinite(step_s):
     raise RuntimeError("search: no finite-cost plan (every choice splits an op twice)")
@@ -839,6 +1103,40 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   tables_built=builder.built, solve_s=time.perf_counter() - start,
                   memory_weight=weight, status=status)
+
+
+# The activation peak moves with the plan: the budget is re-posed at the new peak this
+# many times before the search gives up.
+_BUDGET_ROUNDS = 6
+
+
+def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
+  """A plan whose inputs plus live intermediates at their peak fit the budget.
+
+  The peak's live set depends on the plan, so the constraint is posed on the values
+  live at the current plan's peak, solved (`solve_within(tables)`), and re-posed at
+  the new plan's peak until the plan fits.
+
+  Returns:
+    (assignment, Lagrange weight).
+  """
+  if budget is None:
+    return assignment, 0.0
+  acts = _activations(problem)
+  best = math.inf
+  weight = 0.0
+  for _ in range(_BUDGET_ROUNDS):
+    choice = {c: problem.domains[c][i] for c, i in assignment.items()}
+    peak, at = _activation_peak(problem, acts, choice)
+    used = _evaluate(memory, assignment)[0] + peak
+    best = min(best, used)
+    if used <= budget:
+      return assignment, weight
+    try:
+      assignment, weight = solve_within(memory + _activation_tables(problem, acts, at))
+    except InfeasibleBudgetError as e:
+      raise InfeasibleBudgetError(min(best, e.args[0] if e.args else best)) from None
+  raise InfeasibleBudgetError(best)
 
 
 def _reduced_domains(problem: Problem, level: str) -> dict[int, list[int]]:
@@ -952,7 +1250,7 @@ def _solve_ilp(factors, domain_size, memory, budget, time_limit):
                       constraints=optimize.LinearConstraint(matrix, lo, hi), options=options)
   if res.x is None:
     if res.status == 2:
-      raise InfeasibleBudgetError(budget)
+      raise InfeasibleBudgetError(math.inf)
     raise RuntimeError(f"search: the integer program found no solution ({res.message})")
   status = "optimal" if res.status == 0 else "time_limit" if res.status == 1 else res.message
   assignment = {c: int(np.argmax(res.x[xoff[c]:xoff[c] + domain_size[c]])) for c in classes}
@@ -989,25 +1287,28 @@ def _restrict(scope, table, domain_size):
   return table[idx]
 
 
-def _fit_budget(run, memory, budget, tables):
-  """Bisection on the Lagrange weight of state bytes until the plan fits."""
+def _fit_budget(run, memory, budget):
+  """Bisection on the Lagrange weight of the memory tables until the plan fits them.
+
+  Returns:
+    (assignment, weight).
+  """
   lo, hi = 0.0, 1e-12
   best = None
   for _ in range(60):
     assignment = run(hi)
-    state = _evaluate(memory, assignment)[0]
-    if state <= budget:
-      best = (hi, assignment, state)
+    used = _evaluate(memory, assignment)[0]
+    if used <= budget:
+      best = (assignment, hi)
       break
     hi *= 10
   if best is None:
-    raise InfeasibleBudgetError(state)
+    raise InfeasibleBudgetError(used)
   for _ in range(30):
     mid = (lo + hi) / 2
     assignment = run(mid)
-    state = _evaluate(memory, assignment)[0]
-    if state <= budget:
-      hi, best = mid, (mid, assignment, state)
+    if _evaluate(memory, assignment)[0] <= budget:
+      hi, best = mid, (assignment, mid)
     else:
       lo = mid
   return best
@@ -1050,7 +1351,11 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
     mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes.
     device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, a100, h100, h200, cpu);
       default from the local platform.
-    memory_budget: per-device bytes the program's inputs may take; None: unlimited.
+    memory_budget: per-device bytes the plan may take: the program's inputs
+      (parameters, optimizer state, batch) plus the intermediates live at the
+      activation peak, as `plan.stats["predicted_memory_bytes"]` reports; None:
+      unlimited. Tight budgets store parameters and optimizer state split over axes
+      their compute does not use (ZeRO) before they split the compute itself.
     batch_axes: mesh axes that may split the batch (dim 0 of the last argument);
       default: the axes named data, batch, fsdp or replica; None: any axis.
     fold: search each unique layer once (True) or every op on its own (False); both
@@ -1091,14 +1396,15 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
   warn_unsplittable(problem)
   try:
     solution = solve(problem, fold=fold, memory_budget=memory_budget, time_limit=time_limit)
-  except InfeasibleBudgetError:
-    raise _budget_error(problem, memory_budget) from None
+  except InfeasibleBudgetError as e:
+    raise _budget_error(problem, memory_budget, e.args[0] if e.args else math.inf) from None
   search_s = time.perf_counter() - start
   return make_plan(problem, folded, solution, args, search_s=search_s)
 
 
-def _budget_error(problem: Problem, budget: float) -> InfeasibleBudgetError:
-  """The smallest per-device input memory any choice reaches, and what dominates it."""
+def _budget_error(problem: Problem, budget: float, reached: float) -> InfeasibleBudgetError:
+  """The smallest per-device memory reached, the floor of the inputs alone, and the
+  tensors that dominate it."""
   rows = []
   for i in problem.graph.inputs:
     # The most any layout can split this tensor: per dim the widest option its class
@@ -1116,7 +1422,10 @@ def _budget_error(problem: Problem, budget: float) -> InfeasibleBudgetError:
   top = ", ".join(f"{p} {t} ({b / 2**20:.1f} MiB)" for b, p, t in rows[:5])
   return InfeasibleBudgetError(
       f"search: memory_budget={budget / 2**30:.3f} GiB per device cannot be met on mesh "
-      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: even splitting "
+      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: "
+      + (f"the leanest plan found takes {reached / 2**30:.3f} GiB (inputs and the "
+         "intermediates live at the activation peak); " if math.isfinite(reached) else "")
+      + "even splitting "
       f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
       f"inputs per device. Largest per device: {top}. Raise the budget, use a bigger "
       "mesh, or a smaller batch or model.")
@@ -1146,16 +1455,31 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
     in_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
     k += len(leaves)
   spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
+  use_of = {}
+  for i in g.inputs:
+    if (problem.cv(i.value), False) in problem.reader_dims:
+      rank = len(g.types[i.value].shape)
+      axes = [solution.choice.get(problem.read_class(i.value, d), ()) for d in range(rank)]
+      dims = _dims(range(rank), axes)  # as the cost tables read it
+      use = PartitionSpec(*costlib.Layout(dims).to_partition_spec())
+      if use != spec_of[i.value]:
+        use_of[i.value] = use
   layers = []
-  for u in folded.unique_layers:
-    inst = folded.instances[u.instances[0]]
-    read = []
-    for i in inst.ops:
+  groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
+            for u in folded.unique_layers]
+  groups.append(("glue", 1, [i for seg in folded.glue for i in seg.ops]))
+  for name, count, ops in groups:
+    read: dict[str, int] = {}
+    for i in ops:
       for v in g.ops[i].inputs:
-        if v in spec_of and g.input_path[v] not in [p for p, _ in read]:
-          read.append((g.input_path[v], spec_of[v]))
-    layers.append(planlib.LayerStrategy(name=u.name, instances=len(u.instances),
-                                        param_specs=tuple(read)))
+        if v in spec_of:
+          read.setdefault(g.input_path[v], v)
+    if not read:
+      continue
+    layers.append(planlib.LayerStrategy(
+        name=name, instances=count,
+        param_specs=tuple((path, spec_of[v]) for path, v in read.items()),
+        use_specs=tuple((path, use_of[v]) for path, v in read.items() if v in use_of)))
   class_axes = tuple(
       (problem.classes[c].example, problem.classes[c].size, axes)
       for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size))
@@ -1181,22 +1505,4 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
 
 def activation_peak(problem: Problem, solution: Solution) -> float:
   """Peak per-device bytes of live intermediate values over the top-level program."""
-  g = problem.graph
-  top = g.region_ops(0)
-  pos = {op.index: j for j, op in enumerate(top)}
-  delta = np.zeros(len(top) + 1)
-  for j, op in enumerate(top):
-    rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
-    if rule is None:
-      continue
-    for slot, v in enumerate(op.outputs):
-      t = g.types[v]
-      if not t.shape or (problem.cv(v), 0) not in problem.value_class:
-        continue
-      axes = {a for d, f in enumerate(rule.outputs[slot]) if f is not None
-              for a in solution.choice.get(problem.vclass(v, d), ())}
-      size = t.nbytes / math.prod(problem.mesh.size(a) for a in axes)
-      last = max((pos[c] for c in g.consumers.get(v, ()) if c in pos), default=j)
-      delta[j] += size
-      delta[last + 1 if last + 1 <= len(top) else len(top)] -= size
-  return float(np.max(np.cumsum(delta))) if len(top) else 0.0
+  return _activation_peak(problem, _activations(problem), solution.choice)[0]

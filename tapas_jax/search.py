@@ -912,13 +912,14 @@ class _Activations:
   nbytes: np.ndarray
   dims: tuple[tuple[int | None, ...], ...]
   length: int            # number of top-level ops
+  values: tuple[int, ...] = ()
 
 
 def _activations(problem: Problem) -> _Activations:
   g = problem.graph
   top = g.region_ops(0)
   pos = {op.index: j for j, op in enumerate(top)}
-  start, stop, nbytes, dims = [], [], [], []
+  start, stop, nbytes, dims, values = [], [], [], [], []
   for j, op in enumerate(top):
     rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
     if rule is None:
@@ -930,10 +931,18 @@ def _activations(problem: Problem) -> _Activations:
       start.append(j)
       stop.append(max((pos[c] for c in g.consumers.get(v, ()) if c in pos), default=j))
       nbytes.append(t.nbytes)
+      values.append(v)
       dims.append(tuple(None if f is None else problem.vclass(v, d)
                         for d, f in enumerate(rule.outputs[slot])))
   return _Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
-                      tuple(dims), len(top))
+                      tuple(dims), len(top), tuple(values))
+
+
+def _shards(problem: Problem, acts: _Activations,
+            choice: Mapping[int, tuple[str, ...]]) -> np.ndarray:
+  return np.array([math.prod(problem.mesh.size(a) for a in
+                             {a for c in dims if c is not None for a in choice.get(c, ())})
+                   for dims in acts.dims], float)
 
 
 def _activation_peak(problem: Problem, acts: _Activations,
@@ -941,9 +950,7 @@ def _activation_peak(problem: Problem, acts: _Activations,
   """(peak per-device bytes of live intermediates, program position of the peak)."""
   if not len(acts.nbytes):
     return 0.0, 0
-  shards = np.array([math.prod(problem.mesh.size(a) for a in
-                               {a for c in dims if c is not None for a in choice.get(c, ())})
-                     for dims in acts.dims], float)
+  shards = _shards(problem, acts, choice)
   delta = np.zeros(acts.length + 1)
   np.add.at(delta, acts.start, acts.nbytes / shards)
   np.add.at(delta, np.minimum(acts.stop + 1, acts.length), -acts.nbytes / shards)
@@ -1123,20 +1130,42 @@ def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
   if budget is None:
     return assignment, 0.0
   acts = _activations(problem)
-  best = math.inf
+  best, leanest = math.inf, {}
   weight = 0.0
   for _ in range(_BUDGET_ROUNDS):
     choice = {c: problem.domains[c][i] for c, i in assignment.items()}
     peak, at = _activation_peak(problem, acts, choice)
     used = _evaluate(memory, assignment)[0] + peak
-    best = min(best, used)
+    if used < best:
+      best, leanest = used, choice
     if used <= budget:
       return assignment, weight
     try:
       assignment, weight = solve_within(memory + _activation_tables(problem, acts, at))
     except InfeasibleBudgetError as e:
-      raise InfeasibleBudgetError(min(best, e.args[0] if e.args else best)) from None
-  raise InfeasibleBudgetError(best)
+      if len(e.args) > 1:  # the leanest plan the bisection reached
+        choice = {c: problem.domains[c][i] for c, i in e.args[1].items()}
+        used = _evaluate(memory, e.args[1])[0] + _activation_peak(problem, acts, choice)[0]
+        if used < best:
+          best, leanest = used, choice
+      break
+  raise InfeasibleBudgetError(best, _largest_live(problem, acts, leanest))
+
+
+def _largest_live(problem: Problem, acts: _Activations, choice, top: int = 3) -> str:
+  """The biggest intermediates live at the activation peak under a choice, as text."""
+  if not len(acts.nbytes):
+    return ""
+  _, at = _activation_peak(problem, acts, choice)
+  per_device = acts.nbytes / _shards(problem, acts, choice)
+  live = np.flatnonzero((acts.start <= at) & (acts.stop >= at))
+  g = problem.graph
+  rows = []
+  for k in live[np.argsort(-per_device[live])][:top]:
+    op = g.ops[g.producer[acts.values[k]]]
+    rows.append(f"{op.name_stack or '(top)'}/{op.primitive} {g.types[acts.values[k]]} "
+                f"({per_device[k] / 2**20:.1f} MiB)")
+  return ", ".join(rows)
 
 
 def _reduced_domains(problem: Problem, level: str) -> dict[int, list[int]]:
@@ -1303,7 +1332,7 @@ def _fit_budget(run, memory, budget):
       break
     hi *= 10
   if best is None:
-    raise InfeasibleBudgetError(used)
+    raise InfeasibleBudgetError(used, assignment)  # the leanest it found
   for _ in range(30):
     mid = (lo + hi) / 2
     assignment = run(mid)
@@ -1397,12 +1426,15 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
   try:
     solution = solve(problem, fold=fold, memory_budget=memory_budget, time_limit=time_limit)
   except InfeasibleBudgetError as e:
-    raise _budget_error(problem, memory_budget, e.args[0] if e.args else math.inf) from None
+    reached = e.args[0] if e.args else math.inf
+    live = e.args[1] if len(e.args) > 1 else ""
+    raise _budget_error(problem, memory_budget, reached, live) from None
   search_s = time.perf_counter() - start
   return make_plan(problem, folded, solution, args, search_s=search_s)
 
 
-def _budget_error(problem: Problem, budget: float, reached: float) -> InfeasibleBudgetError:
+def _budget_error(problem: Problem, budget: float, reached: float,
+                  live: str = "") -> InfeasibleBudgetError:
   """The smallest per-device memory reached, the floor of the inputs alone, and the
   tensors that dominate it."""
   rows = []
@@ -1427,8 +1459,10 @@ def _budget_error(problem: Problem, budget: float, reached: float) -> Infeasible
          "intermediates live at the activation peak); " if math.isfinite(reached) else "")
       + "even splitting "
       f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
-      f"inputs per device. Largest per device: {top}. Raise the budget, use a bigger "
-      "mesh, or a smaller batch or model.")
+      f"inputs per device. Largest inputs per device: {top}."
+      + (f" Largest intermediates at the peak: {live}." if live else "")
+      + " Raise the budget, use a bigger mesh, rematerialise (jax.checkpoint), or use "
+      "a smaller batch or model.")
 
 
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
@@ -1468,7 +1502,7 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
   groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
             for u in folded.unique_layers]
   groups.append(("glue", 1, [i for seg in folded.glue for i in seg.ops]))
-  for name, count, ops in groups:
+  for layer_name, count, ops in groups:
     read: dict[str, int] = {}
     for i in ops:
       for v in g.ops[i].inputs:
@@ -1477,7 +1511,7 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
     if not read:
       continue
     layers.append(planlib.LayerStrategy(
-        name=name, instances=count,
+        name=layer_name, instances=count,
         param_specs=tuple((path, spec_of[v]) for path, v in read.items()),
         use_specs=tuple((path, use_of[v]) for path, v in read.items() if v in use_of)))
   class_axes = tuple(

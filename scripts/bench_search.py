@@ -111,7 +111,8 @@ def section_rediscover():
 
 def section_memory():
   print("\n## Memory pressure (GPT-2 small width, 4 layers, mesh data=2 x model=4, h100)")
-  print("  memory = inputs (params, optimizer state, batch) + intermediates live at the peak")
+  print("  memory = inputs (params, optimizer state, batch) + intermediates live at the peak;")
+  print("  budgets are fractions of the unconstrained plan's memory")
   args = gpt(4)
   mesh = MESH
   replicated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
@@ -120,30 +121,33 @@ def section_memory():
   print(f"  replicated inputs {replicated / 2**30:.3f} GiB/device; unconstrained plan: "
         f"inputs {free.stats['predicted_state_bytes'] / 2**30:.3f} + activations "
         f"{act / 2**30:.3f} GiB/device, {free.stats['predicted_step_s'] * 1e3:.3f} ms")
-  fsdp = baselines.baseline("fsdp", *args, mesh=mesh, device="h100", family="gpt")
-  print(f"  fsdp baseline: inputs {fsdp.stats['predicted_state_bytes'] / 2**30:.3f} GiB, "
-        f"memory {fsdp.stats['predicted_memory_bytes'] / 2**30:.3f} GiB/device, "
-        f"{fsdp.stats['predicted_step_s'] * 1e3:.3f} ms")
-  print(f"  {'budget GiB':>11} {'memory GiB':>11} {'inputs GiB':>11} {'ms/step':>8} "
-        f"{'stored on data':>15} {'gathered for use':>17} {'search s':>9}")
-  budgets = [act + frac * replicated for frac in (0.5, 0.24, 0.15)]
-  budgets += [0.9 * free.stats["predicted_memory_bytes"]]
-  for budget in budgets:
+  for name in baselines.BASELINES:
+    base = baselines.baseline(name, *args, mesh=mesh, device="h100", family="gpt")
+    print(f"  {name} baseline: inputs {base.stats['predicted_state_bytes'] / 2**30:.3f} GiB, "
+          f"memory {base.stats['predicted_memory_bytes'] / 2**30:.3f} GiB/device, "
+          f"{base.stats['predicted_step_s'] * 1e3:.3f} ms")
+  print(f"  {'budget':>6} {'GiB':>6} {'memory GiB':>11} {'inputs GiB':>11} {'ms/step':>8} "
+        f"{'heads split':>12} {'stored on data':>15} {'gathered for use':>17} {'search s':>9}")
+  for frac in (0.9, 0.75, 0.7, 0.68, 0.66):
+    budget = frac * free.stats["predicted_memory_bytes"]
     start = time.perf_counter()
     try:
       plan = tapas.search(*args, mesh=mesh, device="h100", memory_budget=budget)
     except tapas.InfeasibleBudgetError as e:
-      print(f"  {budget / 2**30:>11.3f} infeasible: {str(e)[:200]}")
+      print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} infeasible: ...{str(e)[110:330]}...")
       continue
     took = time.perf_counter() - start
-    on_data = sum(1 for spec in jax.tree.leaves(
-        plan.in_specs[0], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    specs = jax.tree.leaves(plan.in_specs[0],
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    on_data = sum(1 for spec in specs
                   if any(e == "data" or (isinstance(e, tuple) and "data" in e) for e in spec))
+    heads = any("model" in str(spec) for path, spec in plan.layers[0].param_specs
+                if path.endswith("Attention/query/kernel"))
     gathered = sum(len(layer.use_specs) for layer in plan.layers)
     s = plan.stats
-    print(f"  {budget / 2**30:>11.3f} {s['predicted_memory_bytes'] / 2**30:>11.3f} "
+    print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} {s['predicted_memory_bytes'] / 2**30:>11.3f} "
           f"{s['predicted_state_bytes'] / 2**30:>11.3f} {s['predicted_step_s'] * 1e3:>8.3f} "
-          f"{on_data:>15} {gathered:>17} {took:>9.2f}")
+          f"{str(heads):>12} {on_data:>15} {gathered:>17} {took:>9.2f}")
 
 
 def main():

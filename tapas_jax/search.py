@@ -63,18 +63,11 @@ __all__ = ["DimClass", "InfeasibleBudgetError", "Problem", "Solution", "View",
            "build_problem", "evaluate", "folded_view", "search", "solve", "unfolded_view"]
 
 DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
-# Ops linear in their inputs: partial sums pass through them unreduced when every
-# operand is partial over the same classes (Megatron's backward sums dx of q, k and v
-# before one all-reduce). Ops that grow the tensor (broadcast) are left out: reducing
-# first is cheaper there.
-_LINEAR = frozenset({"add", "add_any", "sub", "neg", "convert_element_type", "transpose",
-                     "reshape", "reduce_sum", "copy", "squeeze", "expand_dims"})
-# Ops linear in their first operand when every other operand is a scalar.
-_SCALING = frozenset({"mul", "div"})
-# A chain of linear ops summing partial values from many layers (the cotangent of a
-# value every layer reads) is reduced once it spans more classes than this, so that no
-# cost table grows with depth.
-_MAX_PARTIAL_CLASSES = 4
+# Partial sums (a dot_general or reduction whose contracted dim is split) are reduced
+# once, where they are made, into the layout their readers get: XLA's SPMD partitioner
+# reduces at the producer and does not carry partial sums through the adds, transposes
+# and scalings after it (measured: `scripts/bench_compiled.py`, Megatron's backward
+# reduces dx of q, k and v one by one), so the model does not either.
 # Elimination tables above this many entries mean the class graph is too entangled
 # for exact elimination; the search then refuses rather than run for hours.
 _MAX_TABLE = 1 << 22
@@ -616,54 +609,20 @@ class _TableBuilder:
     return tuple(p.value_class.get((v, d)) for d in range(rank)), None
 
   def partial_expr(self, v: int):
-    """How value v's partial-sum axes follow from the choice, as a small expression.
-
-    ("r", classes): a reducing op leaves partial sums over those classes' axes.
-    ("l", operands): a linear op keeps its operands' partial sums when they all hold
-    the same axes, and reduces them otherwise. None: never partial.
-    """
+    """("r", classes): value v holds partial sums over those classes' mesh axes (its
+    producer reduced over them); None: never partial."""
     v = self.p.cv(v)
     if v in self._partial:
       return self._partial[v]
-    self._partial[v] = None  # cycles cannot occur in a jaxpr; this guards recursion
     expr = None
-    if v in self.producer and self.producer[v] not in self.p.update_ops:
-      # The update reads its operands whole (their cut reduced them), so is never partial.
+    if v in self.producer:
       op = self.p.graph.ops[self.producer[v]]
       rule = self.p.rules[op.index]
-      if rule.reduce:
-        classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
-                                and self.p.classes[c].splittable}))
-        expr = ("r", classes) if classes else None
-      elif self._linear(op):
-        operands = self._operand_exprs(op)
-        if operands and all(e is not None for e in operands):
-          expr = ("l", tuple(operands))
-          if len(_expr_classes(expr)) > _MAX_PARTIAL_CLASSES:
-            expr = None  # reduced before this op: see `keeps`
+      classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
+                              and self.p.classes[c].splittable}))
+      expr = ("r", classes) if classes else None
     self._partial[v] = expr
     return expr
-
-  def keeps(self, op: Op) -> bool:
-    """Whether a linear op may take its operands' partial sums as they are."""
-    if not self._linear(op) or self.p.rules[op.index].reduce:
-      return False
-    return op.outputs != () and self.partial_expr(op.outputs[0]) is not None
-
-  def _linear(self, op: Op) -> bool:
-    """Linear in its tensor operands: a `_LINEAR` op, or one tensor scaled by scalars
-    (Adam's `(1 - b1) * g`), whose partial sums may be reduced after it."""
-    if op.primitive in _LINEAR:
-      return True
-    g = self.p.graph
-    tensors = [k for k, v in enumerate(op.inputs) if g.types[v].shape]
-    return (op.primitive in _SCALING and tensors == [0]) or (
-        op.primitive == "mul" and len(tensors) == 1)
-
-  def _operand_exprs(self, op: Op) -> list:
-    g = self.p.graph
-    return [self.partial_expr(v) for v in op.inputs
-            if v not in g.literals and g.types[v].shape]
 
   def _factor_class(self, op: Op, f: int) -> int:
     return self.p.factor_class[op.index][f]
@@ -686,38 +645,35 @@ class _TableBuilder:
     rule = p.rules[op.index]
     fclass = self.factor_classes(op)
     edges = []
-    keep = self.keeps(op)
     for k, v in enumerate(op.inputs):
       if v in g.literals or not g.types[v].shape or only not in (None, k):
         continue
-      cut = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
-      if cut is not None:  # delivered in the reader's layout by `cut_table`
-        src_dims, partial = cut, None
-      else:
-        src_dims, partial = self._src(v)
-        src_dims = self.fixed.get(v, src_dims)
-      if not keep:
-        partial = None  # reduced once where it is made: see `resolve_table`
+      # Partial sums arrive reduced: by `resolve_table`, or by `cut_table` in the
+      # reader's layout.
+      src_dims = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
+      if src_dims is None:
+        src_dims = self.fixed.get(v, self._src(v)[0])
       dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
-      edges.append((g.types[v], src_dims, partial, dst_dims, keep))
+      edges.append((g.types[v], src_dims, None, dst_dims))
     flops = rule.flops if only in (None, 0) else 0.0
     return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
                        if op.outputs else None, edges)
 
   def resolve_table(self, v: int) -> _Table | None:
-    """The one reduction of a partial value that some non-linear user needs whole.
+    """The one reduction of a partial value, in its producer's layout.
 
-    Charged once per value, however many users read it, as XLA reduces it once.
+    Charged once per value, however many users read it, as XLA reduces it once. A
+    value only the state update reads is reduced by its `cut_table` instead.
     """
     g = self.p.graph
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [g.ops[c] for c in self.users.get(v, ()) if c not in self.p.update_ops]
-    if all(self.keeps(u) for u in users) and v not in set(g.outputs):
+    users = [c for c in self.users.get(v, ()) if c not in self.p.update_ops]
+    if not users and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
-    return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims, False)])
+    return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims)])
 
   def carry_table(self, out: int, inp: int) -> _Table | None:
     src_dims, _ = self._src(out)
@@ -725,7 +681,7 @@ class _TableBuilder:
     rank = len(self.p.graph.types[inp].shape)
     dst = self.fixed.get(inp) or tuple(self.p.vclass(inp, d) for d in range(rank))
     return self._table(("carry",), [], 0.0, None,
-                       [(self.p.graph.types[inp], src_dims, partial, dst, False)])
+                       [(self.p.graph.types[inp], src_dims, partial, dst)])
 
   def cut_table(self, v: int, in_update: bool) -> _Table | None:
     """Bringing a value seen apart by the update and the compute into the reader's
@@ -737,7 +693,7 @@ class _TableBuilder:
     partial = self.partial_expr(v) if in_update else None
     dst = self.p.reader_dims[(v, in_update)]
     return self._table(("cut",), [], 0.0, None,
-                       [(self.p.graph.types[v], src_dims, partial, dst, False)])
+                       [(self.p.graph.types[v], src_dims, partial, dst)])
 
   def _table(self, kind, fclass, flops, out_type, edges) -> _Table | None:
     scope: list[int] = []
@@ -754,14 +710,9 @@ class _TableBuilder:
 
     fpos = [pos(c) for c in fclass]
     def expr_pos(e):
-      if e is None:
-        return None
-      if e[0] == "r":
-        return ("r", tuple(pos(c) for c in e[1]))
-      return ("l", tuple(expr_pos(x) for x in e[1]))
+      return None if e is None else ("r", tuple(pos(c) for c in e[1]))
 
-    epos = [(t, place(src), expr_pos(partial), place(dst), keep)
-            for t, src, partial, dst, keep in edges]
+    epos = [(t, place(src), expr_pos(partial), place(dst)) for t, src, partial, dst in edges]
     if not scope and not flops:
       return None
     domains = tuple(self.p.domains[c] for c in scope)
@@ -790,14 +741,11 @@ class _TableBuilder:
       shards = math.prod(p.mesh.size(a) for a in used)
       total = costlib.compute_time(flops / shards, p.profile, dtype) if flops else 0.0
       sent = 0.0
-      parts = [_eval_partial(e[2], axes) for e in epos]
-      # A linear op sums partial operands as they are when all hold the same axes.
-      keep_all = bool(parts) and all(q == parts[0] for q in parts) and bool(parts[0])
-      for (ttype, src, _, dst, keep), part in zip(epos, parts):
+      for ttype, src, partial, dst in epos:
         src_d = src.dims if isinstance(src, costlib.Layout) else _dims(src, axes)
         dst_d = dst.dims if isinstance(dst, costlib.Layout) else _dims(dst, axes)
-        edge = _edge_cost(ttype.shape, ttype.itemsize, src_d, part, dst_d, keep and keep_all,
-                          p.mesh, p.profile)
+        edge = _edge_cost(ttype.shape, ttype.itemsize, src_d, _eval_partial(partial, axes),
+                          dst_d, p.mesh, p.profile)
         if edge is None:
           total = np.inf
           break
@@ -808,41 +756,27 @@ class _TableBuilder:
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def _edge_cost(shape, itemsize, src_dims, part, dst_dims, keep_partial, mesh, profile):
+def _edge_cost(shape, itemsize, src_dims, part, dst_dims, mesh, profile):
   """(seconds, bytes sent) to bring a value from src to dst; None if impossible.
 
-  `part`: axes the value is partial over as it arrives; with `keep_partial` the consumer
-  takes the partial sums as they are (a linear op), else they are reduced first.
+  `part`: axes the value is partial over as it arrives; they are reduced on the way.
   """
   src_axes = {a for d in src_dims for a in d}
   part = tuple(a for a in part if a not in src_axes)
   try:
     src_l = costlib.Layout(src_dims, partial=part)
-    dst_axes = {a for d in dst_dims for a in d}
-    dst_l = costlib.Layout(dst_dims, partial=tuple(a for a in part if a not in dst_axes)
-                           if keep_partial else ())
+    dst_l = costlib.Layout(dst_dims)
     steps = costlib.reshard(shape, itemsize, src_l, dst_l, mesh, profile)
   except ValueError:
     return None
   return sum(c.time_s for c in steps), sum(c.bytes_sent_per_device for c in steps)
 
 
-def _expr_classes(expr) -> set[int]:
-  if expr is None:
-    return set()
-  if expr[0] == "r":
-    return set(expr[1])
-  return set().union(*(_expr_classes(e) for e in expr[1]))
-
-
 def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
   """The mesh axes a partial expression (scope positions) holds under a choice."""
   if expr is None:
     return ()
-  if expr[0] == "r":
-    return tuple(sorted({a for q in expr[1] if q is not None for a in axes[q]}))
-  operands = [_eval_partial(e, axes) for e in expr[1]]
-  return operands[0] if operands and all(o == operands[0] for o in operands) else ()
+  return tuple(sorted({a for q in expr[1] if q is not None for a in axes[q]}))
 
 
 def _dims(positions: Sequence[int | None],

@@ -1,0 +1,76 @@
+"""Plans judged by what XLA compiles of them: predicted vs compiled comm and memory.
+
+Each plan's `in_specs` become the step's `in_shardings` (and the state's
+`out_shardings`, so it stays where the plan keeps it); the step is lowered and
+compiled for an 8-device CPU mesh, never run. Compiled figures are read off the
+partitioned HLO (`tapas_jax.measure`). XLA on CPU forms no reduce-scatter: it does an
+all-reduce and a slice, so ZeRO plans show up to 2x their predicted gradient traffic.
+
+  python scripts/bench_compiled.py                  # GPT-2 small width, 4 layers
+  python scripts/bench_compiled.py --layers 2 --seq 256
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import tapas_jax as tapas  # noqa: E402
+from tapas_jax import baselines, measure, models  # noqa: E402
+
+MESH = {"data": 2, "model": 4}
+
+
+def compiled_figures(plan, step, state, batch, mesh):
+  sh = jax.tree.map(lambda s: NamedSharding(mesh, s), plan.in_specs,
+                    is_leaf=lambda x: isinstance(x, PartitionSpec))
+  metrics = jax.eval_shape(step, state, batch)[1]
+  replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), metrics)
+  jitted = jax.jit(step, in_shardings=sh, out_shardings=(sh[0], replicated),
+                   donate_argnums=0)
+  start = time.perf_counter()
+  compiled = jitted.lower(state, batch).compile()
+  return measure.measure(compiled, mesh.size), time.perf_counter() - start
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--config", default="gpt2-small")
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=1024)
+  args = parser.parse_args()
+  m = models.get_model("gpt", args.config, num_layers=args.layers, seq_len=args.seq)
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(args.batch)
+  mesh = tapas.make_mesh(MESH)
+  print(f"## Predicted vs compiled: GPT {args.config} width, {args.layers} layers, batch "
+        f"{args.batch}x{args.seq}, mesh {MESH}, h100 profile, jax {jax.__version__}")
+  plans = {"search": tapas.search(step, state, batch, mesh=mesh, device="h100")}
+  plans["search, batch on any axis"] = tapas.search(step, state, batch, mesh=mesh,
+                                                    device="h100", batch_axes=None)
+  for name in baselines.BASELINES:
+    plans[name] = baselines.baseline(name, step, state, batch, mesh=MESH, device="h100",
+                                     family="gpt")
+  free = plans["search"].stats["predicted_memory_bytes"]
+  for frac in (0.75, 0.68):
+    plans[f"search, budget {frac:.2f}x"] = tapas.search(
+        step, state, batch, mesh=mesh, device="h100", memory_budget=frac * free)
+  print(f"{'plan':<30} {'pred ms':>8} {'pred MiB':>9} {'XLA MiB':>9} {'XLA AR/AG/RS/A2A/CP MiB':>27} "
+        f"{'pred GiB':>9} {'XLA GiB':>8} {'XLA args':>9} {'compile s':>9}")
+  for name, plan in plans.items():
+    got, took = compiled_figures(plan, step, state, batch, mesh)
+    s, c = plan.stats, got.comm_bytes
+    kinds = "/".join(f"{c[k] / 2**20:.0f}" for k in measure._KINDS)
+    print(f"{name:<30} {s['predicted_step_s'] * 1e3:>8.3f} "
+          f"{s['predicted_comm_bytes'] / 2**20:>9.1f} {c['total'] / 2**20:>9.1f} {kinds:>27} "
+          f"{s['predicted_memory_bytes'] / 2**30:>9.3f} {got.memory_bytes / 2**30:>8.3f} "
+          f"{got.argument_bytes / 2**30:>9.3f} {took:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,8 +1,8 @@
 """Plans judged by what XLA compiles of them: predicted vs compiled comm and memory.
 
-Each plan's `in_specs` become the step's `in_shardings` (and the state's
-`out_shardings`, so it stays where the plan keeps it); the step is lowered and
-compiled for an 8-device CPU mesh, never run. Compiled figures are read off the
+Each plan is compiled twice for an 8-device CPU mesh (never run): through
+`tapas.apply` (the plan's shardings and the constraints it pins inside the step), and
+with its `in_specs` as `in_shardings` alone. Compiled figures are read off the
 partitioned HLO (`tapas_jax.measure`). XLA on CPU forms no reduce-scatter: it does an
 all-reduce and a slice, so ZeRO plans show up to 2x their predicted gradient traffic.
 
@@ -26,14 +26,19 @@ from tapas_jax import baselines, measure, models  # noqa: E402
 MESH = {"data": 2, "model": 4}
 
 
-def compiled_figures(plan, step, state, batch, mesh):
-  sh = jax.tree.map(lambda s: NamedSharding(mesh, s), plan.in_specs,
-                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-  metrics = jax.eval_shape(step, state, batch)[1]
-  replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), metrics)
-  jitted = jax.jit(step, in_shardings=sh, out_shardings=(sh[0], replicated),
-                   donate_argnums=0)
+def compiled_figures(plan, step, state, batch, mesh, constrained):
+  """Compiles the step with the plan: through `tapas.apply` (shardings and the plan's
+  constraints), or with `in_shardings` alone."""
   start = time.perf_counter()
+  if constrained:
+    jitted = tapas.apply(plan, step, mesh=mesh, donate_argnums=0)
+  else:
+    sh = jax.tree.map(lambda s: NamedSharding(mesh, s), plan.in_specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+    metrics = jax.eval_shape(step, state, batch)[1]
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), metrics)
+    jitted = jax.jit(step, in_shardings=sh, out_shardings=(sh[0], replicated),
+                     donate_argnums=0)
   compiled = jitted.lower(state, batch).compile()
   return measure.measure(compiled, mesh.size), time.perf_counter() - start
 
@@ -60,16 +65,19 @@ def main():
   for frac in (0.75, 0.68):
     plans[f"search, budget {frac:.2f}x"] = tapas.search(
         step, state, batch, mesh=mesh, device="h100", memory_budget=frac * free)
-  print(f"{'plan':<30} {'pred ms':>8} {'pred MiB':>9} {'XLA MiB':>9} {'XLA AR/AG/RS/A2A/CP MiB':>27} "
-        f"{'pred GiB':>9} {'XLA GiB':>8} {'XLA args':>9} {'compile s':>9}")
+  print(f"{'plan':<26} {'pred ms':>8} {'pred MiB':>9} {'XLA MiB':>8} {'in_specs only':>13} "
+        f"{'XLA AR/AG/RS/A2A/CP MiB':>24} {'pred GiB':>9} {'XLA GiB':>8} {'in_specs only':>13} "
+        f"{'pins':>5}")
   for name, plan in plans.items():
-    got, took = compiled_figures(plan, step, state, batch, mesh)
+    got, _ = compiled_figures(plan, step, state, batch, mesh, constrained=True)
+    bare, _ = compiled_figures(plan, step, state, batch, mesh, constrained=False)
     s, c = plan.stats, got.comm_bytes
     kinds = "/".join(f"{c[k] / 2**20:.0f}" for k in measure._KINDS)
-    print(f"{name:<30} {s['predicted_step_s'] * 1e3:>8.3f} "
-          f"{s['predicted_comm_bytes'] / 2**20:>9.1f} {c['total'] / 2**20:>9.1f} {kinds:>27} "
+    print(f"{name:<26} {s['predicted_step_s'] * 1e3:>8.3f} "
+          f"{s['predicted_comm_bytes'] / 2**20:>9.1f} {c['total'] / 2**20:>8.1f} "
+          f"{bare.comm_bytes['total'] / 2**20:>13.1f} {kinds:>24} "
           f"{s['predicted_memory_bytes'] / 2**30:>9.3f} {got.memory_bytes / 2**30:>8.3f} "
-          f"{got.argument_bytes / 2**30:>9.3f} {took:>9.1f}", flush=True)
+          f"{bare.memory_bytes / 2**30:>13.3f} {len(plan.constraints):>5}", flush=True)
 
 
 if __name__ == "__main__":

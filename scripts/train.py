@@ -33,6 +33,8 @@ flags.DEFINE_string("mesh", None, "Mesh axes, e.g. 'data=2,model=4'.")
 flags.DEFINE_integer("steps", None, "Train steps.")
 flags.DEFINE_integer("batch_size", None, "Global batch size.")
 flags.DEFINE_bool("plan", True, "Search a tapas plan (else data parallel).")
+flags.DEFINE_float("memory_budget_gib", None, "Per-device memory the plan may take (inputs "
+                   "and live activations), GiB; default unlimited.")
 flags.DEFINE_string("device", None, "Cost profile (tpu-v5e, h100, cpu, ...); default local.")
 flags.DEFINE_integer("host_devices", 8,
                      "On CPU: fake devices (XLA_FLAGS) when no accelerator is present.")
@@ -102,7 +104,9 @@ def main(argv):
   state_spec = model.abstract_state()
   batch_spec = model.batch_spec(batch_size)
   if FLAGS.plan:
-    plan = tapas.search(train_step, state_spec, batch_spec, mesh=mesh, device=FLAGS.device)
+    budget = FLAGS.memory_budget_gib * 2**30 if FLAGS.memory_budget_gib else None
+    plan = tapas.search(train_step, state_spec, batch_spec, mesh=mesh, device=FLAGS.device,
+                        memory_budget=budget)
     print(plan.summary())
     to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -115,8 +119,11 @@ def main(argv):
     batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   replicated = NamedSharding(mesh, P())
   state = jax.jit(model.init, out_shardings=state_sharding)(jax.random.key(cfg.get("seed", 0)))
-  step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
-                 out_shardings=(state_sharding, replicated), donate_argnums=0)
+  if FLAGS.plan:  # the plan's shardings plus the constraints it pins inside the step
+    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
+  else:
+    step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, replicated), donate_argnums=0)
   rng = np.random.default_rng(cfg.get("seed", 0))
   for k in range(steps):
     batch = model.make_batch(jax.random.key(int(rng.integers(1 << 30))), batch_size)

@@ -1,8 +1,10 @@
 """tapas_jax: automatic tensor-parallel sharding for JAX, after TAPAS (arXiv 2302.00247).
 
 The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` ->
-`Folded`: unique layers and their instances), `search` (-> `Plan`), then apply.
-`tapas.search(fn, *args, mesh=...)` runs the first three.
+`Folded`: unique layers and their instances), `search` (-> `Plan`), then `apply`
+(-> a jitted function XLA partitions the plan's way). `tapas.search(fn, *args,
+mesh=...)` runs the first three; `tapas.apply(plan, fn)` and `tapas.place(plan,
+*args)` run the plan.
 
 Example:
   >>> import tapas_jax as tapas
@@ -17,6 +19,7 @@ Example:
 from tapas_jax import fold
 from tapas_jax import models
 from tapas_jax import trace
+from tapas_jax.apply import apply, place
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan
@@ -32,9 +35,11 @@ __all__ = [
     "MeshError",
     "Plan",
     "TraceError",
+    "apply",
     "fold",
     "make_mesh",
     "models",
+    "place",
     "search",
     "trace",
 ]

@@ -96,3 +96,19 @@ def is_jaxpr_param(value: Any) -> bool:
 def make_jaxpr(fn: Any, *args: Any) -> tuple[Any, Any]:
   """(ClosedJaxpr, output shape pytree) of `fn(*args)`."""
   return jax.make_jaxpr(fn, return_shape=True)(*args)
+
+
+def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
+  """Evaluates one equation on values (tracers or arrays), as `jax.core.eval_jaxpr` does."""
+  bound = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bound, tuple):  # jax < 0.10: (subfuns, params)
+    subfuns, params = bound
+  else:  # jax >= 0.10: params, sub-functions among them
+    subfuns, params = (), bound
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is None:
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+  else:
+    with ctx:
+      out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from jax.sharding import PartitionSpec
 
-__all__ = ["LayerStrategy", "Plan"]
+__all__ = ["Constraint", "LayerStrategy", "Plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,26 @@ class LayerStrategy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constraint:
+  """A layout the applied program pins on one operand of one equation.
+
+  Where a value is read in another layout than it is made or stored in (a parameter
+  stored split over `data` and used gathered; a gradient made for the compute and
+  reduced into the update's layout), `apply` feeds the reading equation
+  `with_sharding_constraint(value, spec)`.
+
+  Attributes:
+    site: the reading equation's `Op.site` (equation indices through inlined calls).
+    slot: which operand.
+    spec: the layout it reads.
+  """
+
+  site: tuple[Any, ...]
+  slot: int
+  spec: PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """A sharding plan for one program on one mesh.
 
@@ -60,6 +80,7 @@ class Plan:
       predicted_state_bytes, cost_tables_built.
     fingerprint: canonical hash of the traced program (checked when applied).
     name: "tapas" for a searched plan, else the baseline's name.
+    constraints: layouts `apply` pins inside the program (see `Constraint`).
   """
 
   mesh_axes: Mapping[str, int]
@@ -70,6 +91,7 @@ class Plan:
   stats: Mapping[str, Any]
   fingerprint: str
   name: str = "tapas"
+  constraints: tuple[Constraint, ...] = ()
 
   def summary(self) -> str:
     """Readable report: the cost, the split dimension classes, each layer's specs."""

@@ -1395,8 +1395,9 @@ def _budget_error(problem: Problem, budget: float, reached: float,
       f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
       f"inputs per device. Largest inputs per device: {top}."
       + (f" Largest intermediates at the peak: {live}." if live else "")
-      + " Raise the budget, use a bigger mesh, rematerialise (jax.checkpoint), or use "
-      "a smaller batch or model.")
+      + " Raise the budget, use a bigger mesh, let the batch split over more mesh axes "
+      "(batch_axes=None), rematerialise (jax.checkpoint), or use a smaller batch or "
+      "model.")
 
 
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
@@ -1468,7 +1469,63 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
   return planlib.Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
                       device=problem.profile.name, in_specs=tuple(in_specs),
                       class_axes=class_axes, layers=tuple(layers), stats=stats,
-                      fingerprint=g.regions[0].fingerprint, name=name)
+                      fingerprint=g.regions[0].fingerprint, name=name,
+                      constraints=_constraints(problem, solution, fixed))
+
+
+def _constraints(problem: Problem, solution: Solution,
+                 fixed: Mapping[int, costlib.Layout]) -> tuple:
+  """Where a cut value is read in another layout than it was made or stored in, the
+  reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  from tapas_jax import plan as planlib  # noqa: PLC0415
+
+  g, view = problem.graph, problem.view
+  copies: dict[int, list[int]] = {}
+  for u, c in view.canon.items():
+    copies.setdefault(c, []).append(u)
+
+  def spec(classes) -> PartitionSpec:
+    axes = [solution.choice.get(c, ()) if c is not None else () for c in classes]
+    return PartitionSpec(*costlib.Layout(_dims(range(len(axes)), axes)).to_partition_spec())
+
+  out = []
+  for (v, in_update), classes in sorted(problem.reader_dims.items()):
+    want = spec(classes)
+    rank = len(g.types[v].shape)
+    if v in fixed:
+      have = PartitionSpec(*fixed[v].to_partition_spec())
+    else:
+      have = spec([problem.value_class.get((v, d)) for d in range(rank)])
+    if want == have:
+      continue  # read as it is: nothing for XLA to be told
+    for u in [v] + copies.get(v, []):
+      for r in g.consumers.get(u, ()):
+        op = g.ops[r]
+        if op.region != 0 or (view.op_canon.get(r, r) in problem.update_ops) != in_update:
+          continue
+        out += [planlib.Constraint(site=op.site, slot=k, spec=want)
+                for k, x in enumerate(op.inputs) if x == u]
+  # Contractions' results as planned, reduced where they are made: XLA propagates the
+  # rest from these, and otherwise picks layouts of its own between them.
+  for op in g.region_ops(0):
+    rep = view.op_canon.get(op.index, op.index)
+    rule = problem.rules.get(rep)
+    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
+    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+      continue
+    v = op.outputs[0]
+    made = spec([None if f is None else problem.vclass(v, d)
+                 for d, f in enumerate(rule.outputs[0])])
+    for r in g.consumers.get(v, ()):
+      reader = g.ops[r]
+      if reader.region != 0 or (problem.cv(v), view.op_canon.get(r, r) in problem.update_ops) \
+          in problem.reader_dims:
+        continue  # read through a cut: pinned above
+      out += [planlib.Constraint(site=reader.site, slot=k, spec=made)
+              for k, x in enumerate(reader.inputs) if x == v]
+  return tuple(out)
 
 
 def activation_peak(problem: Problem, solution: Solution) -> float:

@@ -236,7 +236,7 @@ def _abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _abstract_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], list[tuple[int, str]]]:
+def abstract_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], list[tuple[int, str]]]:
   abstract, paths = [], []
   for i, arg in enumerate(args):
     flat, treedef = jax.tree_util.tree_flatten_with_path(arg)
@@ -282,6 +282,18 @@ def _digest(text: str) -> str:
 # -- the walk ---------------------------------------------------------------------
 
 
+def is_call_like(eqn: Any, sub: Any) -> bool:
+  """Whether an equation only calls its one sub-jaxpr (jit, custom_jvp/vjp, remat):
+  same operand and result types, no trip count. Such calls are inlined."""
+  if jx.trip_count(eqn) is not None:
+    return False
+  body, _ = jx.open_jaxpr(sub)
+  if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+    return False
+  return (all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.invars, eqn.invars))
+          and all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.outvars, eqn.outvars)))
+
+
 class _Walker:
   """Builds the flat op list; one instance per `trace` call."""
 
@@ -317,21 +329,10 @@ class _Walker:
       full = f"{stack}/{inner}" if stack and inner else (stack or inner)
       inputs = tuple(self.read(env, a) for a in eqn.invars)
       subs = list(jx.sub_jaxprs(eqn))
-      if len(subs) == 1 and self._call_like(eqn, subs[0][2]):
+      if len(subs) == 1 and is_call_like(eqn, subs[0][2]):
         self._inline(eqn, subs[0], inputs, env, region, full, site + (i,))
         continue
       self._emit(eqn, subs, inputs, env, region, full, site + (i,))
-
-  @staticmethod
-  def _call_like(eqn: Any, sub: Any) -> bool:
-    if jx.trip_count(eqn) is not None:
-      return False
-    body, _ = jx.open_jaxpr(sub)
-    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
-      return False
-    return (all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.invars, eqn.invars))
-            and all(jx.aval_of(a) == jx.aval_of(b)
-                    for a, b in zip(body.outvars, eqn.outvars)))
 
   def _bind_consts(self, body: Any, consts: tuple, env: dict) -> None:
     for var, _ in zip(body.constvars, consts):
@@ -444,7 +445,7 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
   """
   if not callable(fn):
     raise TraceError(f"trace: fn must be callable, got {type(fn).__name__} ({fn!r:.60})")
-  abstract, paths = _abstract_args(args)
+  abstract, paths = abstract_args(args)
   start = time.perf_counter()
   try:
     closed, out_shape = jx.make_jaxpr(fn, *abstract)

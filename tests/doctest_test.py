@@ -8,7 +8,7 @@ import pytest
 
 MODULES = ["tapas_jax", "tapas_jax.trace", "tapas_jax.fold", "tapas_jax.cost",
            "tapas_jax.rules", "tapas_jax.mesh", "tapas_jax.search", "tapas_jax.plan",
-           "tapas_jax.baselines",
+           "tapas_jax.baselines", "tapas_jax.apply", "tapas_jax.measure",
            "tapas_jax.models", "tapas_jax.models.training"]
 
 

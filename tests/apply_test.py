@@ -34,7 +34,8 @@ def planned(family, kind):
 
 
 CASES = [("gpt", "search"), ("gpt", "budget"), ("gpt", "fsdp"), ("gpt", "megatron"),
-         ("llama", "search"), ("llama", "budget")]
+         ("llama", "search"), ("llama", "budget"), ("llama_nnx", "search"), ("t5", "search"),
+         ("moe", "search"), ("vit", "search"), ("resnet", "search")]
 
 
 @pytest.mark.parametrize("family,kind", CASES)

@@ -501,6 +501,12 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
       c = value_class[(cv(i.value), d)]
       if c not in example:
         example[c] = f"{i.path}[{d}]" + (" stored" if cv(i.value) in cut_use else "")
+  for op in top:  # classes no input holds: named by an op that makes them
+    for v in op.outputs:
+      for d in range(len(graph.types[v].shape)):
+        c = value_class.get((cv(v), d))
+        if c is not None and c not in example:
+          example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
   conflicted = {index[uf.find(n)] for n in pinned}
   for i, cs in factor_class.items():
     conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
@@ -1010,6 +1016,9 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
       try:
         assignment, weight = _within_budget(problem, run([], 0.0), memory, memory_budget,
                                             solve_within)
+        if memory_budget is not None:
+          assignment = _repair(problem, assignment, tables, memory, memory_budget,
+                               domain_size)
         break
       except _TooEntangled:
         # Too entangled for exact elimination over every axis subset (e.g. ResNet's
@@ -1084,6 +1093,47 @@ def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
           best, leanest = used, choice
       break
   raise InfeasibleBudgetError(best, _largest_live(problem, acts, leanest))
+
+
+def _repair(problem: Problem, assignment, tables, memory, budget, sizes,
+            rounds: int = 4) -> dict[int, int]:
+  """Greedy single-class moves that make a budgeted plan faster and keep it in budget.
+
+  A Lagrange weight can leave a duality gap (a plan the weight does not reach may be
+  faster and still fit); this closes some of it cheaply.
+  """
+  acts = _activations(problem)
+  touching: dict[int, list[_Table]] = {}
+  for t in tables:
+    for c in t.scope:
+      touching.setdefault(c, []).append(t)
+
+  def local(c, k):
+    total = 0.0
+    for t in touching.get(c, ()):
+      idx = tuple(k if u == c else assignment.get(u, 0) for u in t.scope)
+      total += float(t.time[idx])
+    return total
+
+  def fits(trial):
+    choice = {c: problem.domains[c][i] for c, i in trial.items()}
+    return _evaluate(memory, trial)[0] + _activation_peak(problem, acts, choice)[0] <= budget
+
+  assignment = dict(assignment)
+  for _ in range(rounds):
+    moved = False
+    for c, n in sizes.items():
+      now = local(c, assignment.get(c, 0))
+      for k in sorted(range(n), key=lambda k: local(c, k)):
+        if local(c, k) >= now - 1e-12 * max(1.0, abs(now)):
+          break
+        trial = {**assignment, c: k}
+        if fits(trial):
+          assignment, moved = trial, True
+          break
+    if not moved:
+      break
+  return assignment
 
 
 def _largest_live(problem: Problem, acts: _Activations, choice, top: int = 3) -> str:

@@ -160,7 +160,7 @@ def section_memory():
     start = time.perf_counter()
     exact = tapas.search(*case, mesh=mesh, device="h100", memory_budget=budget, fold=False,
                          time_limit=300)
-    print(f"  {label}, budget {frac:.2f}: folded (Lagrange) "
+    print(f"  {label}, budget {frac:.2f}: folded (Lagrange + greedy) "
           f"{lagrange.stats['predicted_step_s'] * 1e3:.3f} ms vs unfolded integer program "
           f"{exact.stats['predicted_step_s'] * 1e3:.3f} ms ({exact.stats['solver_status']}, "
           f"{time.perf_counter() - start:.1f} s): folded "

@@ -5,7 +5,8 @@ are judged on the compiled HLO, with the same ring accounting as `cost.py`: byte
 per device are 2(n-1)/n * S for an all-reduce, (n-1)/n * S for all-gather (S the
 gathered result), reduce-scatter (S the
 operand, n times its result) and all-to-all, and S for a
-collective-permute, with n the replica group size.
+collective-permute, with n the replica group size. Async pairs count at their
+`-start` (on GPU an all-gather-start's result also lists its operand: 1/n too much).
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -86,6 +86,9 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
   Returns:
     A `jax.jit`-wrapped function with `fn`'s signature (and `.lower`). Arguments of
     another structure, or a program other than the one searched, raise ValueError.
+    Calls to `jax.jit`-ed and `custom_jvp`/`custom_vjp` functions inside `fn` are
+    evaluated inline (that is how constraints reach into them), so apply the step you
+    run, with its gradients taken inside it, rather than differentiating the result.
 
   Raises:
     MeshError: the mesh has other axes than the plan, or Explicit axes.

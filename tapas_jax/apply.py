@@ -100,11 +100,10 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
   in_shardings = _shardings(plan, mesh)
 
   def run(*args):
-    _check_program(plan, fn, args)
-    # The jaxpr of the abstract arguments, exactly as `trace` saw it: real arrays may
-    # carry weak types that would add or drop equations and shift every site.
-    abstract, _ = tracelib.abstract_args(args)
-    closed, out_shape = jx.make_jaxpr(fn, *abstract)
+    # The jaxpr of the abstract arguments, exactly as `search` traced it (real arrays
+    # may carry weak types that would add or drop equations and shift every site).
+    graph, closed, out_shape = tracelib.trace_with_jaxpr(fn, *args)
+    _check_program(plan, graph)
     jaxpr, consts = jx.open_jaxpr(closed)
     outs = _interpret(jaxpr, consts, jax.tree.leaves(args), (), pins, {})
     outs = _keep_state_in_place(args, out_shape, outs, in_shardings)
@@ -144,8 +143,7 @@ class _Applied:
     return self.jitted.lower(*args)
 
 
-def _check_program(plan: planlib.Plan, fn, args) -> None:
-  graph = tracelib.trace(fn, *args)
+def _check_program(plan: planlib.Plan, graph) -> None:
   if graph.regions[0].fingerprint != plan.fingerprint:
     raise ValueError(
         f"apply: plan {plan.name!r} was searched for another program (fingerprint "

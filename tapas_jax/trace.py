@@ -443,6 +443,12 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
     >>> g.inputs[0].path, len(g.ops)
     ('w', 2)
   """
+  return trace_with_jaxpr(fn, *args)[0]
+
+
+def trace_with_jaxpr(fn: Callable[..., Any], *args: Any) -> tuple[Graph, Any, Any]:
+  """`trace`, also returning the closed jaxpr walked and its output shape pytree
+  (`apply` re-interprets that very jaxpr, so equation sites match `Op.site`)."""
   if not callable(fn):
     raise TraceError(f"trace: fn must be callable, got {type(fn).__name__} ({fn!r:.60})")
   abstract, paths = abstract_args(args)
@@ -475,8 +481,9 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
                              inputs=tuple(i.value for i in inputs), outputs=outputs,
                              fingerprint=subgraph_fingerprint(
                                  top_ops, [i.value for i in inputs], outputs))
-  return Graph(ops=tuple(walker.ops), types=tuple(walker.types),
-               literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
-               output_paths=out_paths, regions=tuple(walker.regions),
-               num_args=len(args), trace_s=trace_s,
-               walk_s=time.perf_counter() - start)
+  graph = Graph(ops=tuple(walker.ops), types=tuple(walker.types),
+                literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
+                output_paths=out_paths, regions=tuple(walker.regions),
+                num_args=len(args), trace_s=trace_s,
+                walk_s=time.perf_counter() - start)
+  return graph, closed, out_shape

@@ -73,7 +73,8 @@ class Plan:
     mesh_axes: axis name -> size.
     device: device profile name used for costs.
     in_specs: one pytree of `PartitionSpec` per positional argument.
-    class_axes: readable (dimension class example, size, mesh axes) for split classes.
+    class_axes: readable (dimension class example, size, mesh axes) for split classes,
+      one line per kind (copies of a layer differ only in their numbers: `Block_*`).
     layers: strategy per unique layer, then glue.
     stats: num_equations, num_layer_instances, num_unique_layers, trace_s, fold_s,
       search_s, predicted_step_s, predicted_comm_bytes, predicted_memory_bytes,

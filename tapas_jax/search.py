@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -1499,9 +1500,14 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
         name=layer_name, instances=count,
         param_specs=tuple((path, spec_of[v]) for path, v in read.items()),
         use_specs=tuple((path, use_of[v]) for path, v in read.items() if v in use_of)))
-  class_axes = tuple(
-      (problem.classes[c].example, problem.classes[c].size, axes)
-      for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size))
+  # One line per kind of split: copies of a layer differ only in their numbers.
+  class_axes, seen = [], set()
+  for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size):
+    example = _generic(problem.classes[c].example)
+    if (example, axes) not in seen:
+      seen.add((example, axes))
+      class_axes.append((example, problem.classes[c].size, axes))
+  class_axes = tuple(class_axes)
   stats = {
       "num_equations": len(g.ops),
       "num_layer_instances": len(folded.instances),
@@ -1521,6 +1527,12 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
                       class_axes=class_axes, layers=tuple(layers), stats=stats,
                       fingerprint=g.regions[0].fingerprint, name=name,
                       constraints=_constraints(problem, solution, fixed))
+
+
+def _generic(example: str) -> str:
+  """'params/Block_3/MLP/fc1/kernel[1]' -> 'params/Block_*/MLP/fc1/kernel[1]'."""
+  head, sep, dim = example.rpartition("[")
+  return re.sub(r"\d+", "*", head) + sep + dim if sep else re.sub(r"\d+", "*", example)
 
 
 def _constraints(problem: Problem, solution: Solution,

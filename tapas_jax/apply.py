@@ -106,7 +106,10 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
     _check_program(plan, graph)
     jaxpr, consts = jx.open_jaxpr(closed)
     outs = _interpret(jaxpr, consts, jax.tree.leaves(args), (), pins, {})
-    outs = _keep_state_in_place(args, out_shape, outs, in_shardings)
+    # The next state stays where its input is stored, so the next step moves nothing.
+    flat_in = jax.tree.leaves(in_shardings)
+    for k, j in graph.carried:
+      outs[k] = jax.lax.with_sharding_constraint(outs[k], flat_in[j])
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   jitted = jax.jit(run, in_shardings=in_shardings, donate_argnums=donate_argnums)
@@ -184,22 +187,3 @@ def _pinned(value, sharding: NamedSharding, memo: dict):
   if key not in memo:
     memo[key] = (value, jax.lax.with_sharding_constraint(value, sharding))
   return memo[key][1]
-
-
-def _keep_state_in_place(args, out_shape, outs, in_shardings) -> list[Any]:
-  """Outputs that are the next value of an input (same path after the tuple index,
-  same type) are constrained to that input's sharding, so the next step needs no move."""
-  by_path = {}
-  for arg, shardings in zip(args, in_shardings):
-    leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings)):
-      by_path[tracelib.key_path_str(path)] = (leaf, sharding)
-  flat = jax.tree_util.tree_flatten_with_path(out_shape)[0]
-  result = list(outs)
-  for k, (path, leaf) in enumerate(flat):
-    text = tracelib.key_path_str(path)
-    tail = text.split("/", 1)[1] if "/" in text else None
-    src = by_path.get(tail)
-    if src is not None and src[0].shape == leaf.shape and src[0].dtype == leaf.dtype:
-      result[k] = jax.lax.with_sharding_constraint(result[k], src[1])
-  return result

@@ -335,27 +335,13 @@ def _default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
 
 
 def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int, int], ...]:
-  """Outputs that are the next step's value of an input: same path after the tuple index."""
-  by_path = {i.path: i.value for i in graph.inputs}
+  """(output, input, count) of state carried to the next step, in the view's values."""
   counts: dict[tuple[int, int], int] = {}
-  for v, path in zip(graph.outputs, graph.output_paths):
-    tail = path.split("/", 1)[1] if "/" in path else None
-    src = by_path.get(tail) if tail else None
-    if src is not None and graph.types[src] == graph.types[v]:
-      key = (canon.get(v, v), canon.get(src, src))
-      counts[key] = counts.get(key, 0) + 1
+  for k, j in graph.carried:
+    v, src = graph.outputs[k], graph.inputs[j].value
+    key = (canon.get(v, v), canon.get(src, src))
+    counts[key] = counts.get(key, 0) + 1
   return tuple((o, i, n) for (o, i), n in counts.items())
-
-
-def _state_outputs(graph: Graph) -> frozenset[int]:
-  """Outputs that are the next step's value of an input (see `_state_pairs`)."""
-  inputs = {i.path: i.value for i in graph.inputs}
-  out = set()
-  for v, path in zip(graph.outputs, graph.output_paths):
-    src = inputs.get(path.split("/", 1)[1]) if "/" in path else None
-    if src is not None and graph.types[src] == graph.types[v]:
-      out.add(v)
-  return frozenset(out)
 
 
 def _pointwise(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
@@ -386,7 +372,8 @@ def _update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.Op
   compute does not use (ZeRO): gradients arrive by reduce-scatter, parameters are
   gathered for use.
   """
-  outputs, state = set(graph.outputs), _state_outputs(graph)
+  outputs = set(graph.outputs)
+  state = {graph.outputs[k] for k, _ in graph.carried}
   region: set[int] = set()
   for op in reversed(top):  # consumers come after producers: decided first
     if not _pointwise(graph, op, rules[op.index]):
@@ -590,7 +577,6 @@ class _TableBuilder:
     self.reuse = reuse
     self.fixed = dict(input_layouts or {})
     self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    self._fclass: dict[int, list[int]] = {}
     self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
     g = problem.graph
@@ -991,6 +977,7 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
   builder = _TableBuilder(problem, reuse=fold)
   tables = _all_tables(problem, builder)
   memory = _memory_tables(problem)
+  acts = _activations(problem) if memory_budget is not None else None
   domain_size = {c: len(problem.domains[c]) for c in range(len(problem.classes))
                  if len(problem.domains[c]) > 1}
 
@@ -1015,10 +1002,11 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
         return _fit_budget(lambda w: run(mem, w), mem, memory_budget)
 
       try:
-        assignment, weight = _within_budget(problem, run([], 0.0), memory, memory_budget,
-                                            solve_within)
-        if memory_budget is not None:
-          assignment = _repair(problem, assignment, tables, memory, memory_budget,
+        assignment, weight = run([], 0.0), 0.0
+        if acts is not None:
+          assignment, weight = _within_budget(problem, acts, assignment, memory,
+                                              memory_budget, solve_within)
+          assignment = _repair(problem, acts, assignment, tables, memory, memory_budget,
                                domain_size)
         break
       except _TooEntangled:
@@ -1044,7 +1032,10 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
       statuses.append(st)
       return assignment, 0.0
 
-    assignment, _ = _within_budget(problem, first, memory, memory_budget, solve_within)
+    assignment = first
+    if acts is not None:
+      assignment, _ = _within_budget(problem, acts, first, memory, memory_budget,
+                                     solve_within)
     status = statuses[-1]
   state = _evaluate(memory, assignment)[0]
   step_s, comm = _evaluate(tables, assignment)
@@ -1061,7 +1052,8 @@ def solve(problem: Problem, fold: bool = True, memory_budget: float | None = Non
 _BUDGET_ROUNDS = 6
 
 
-def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
+def _within_budget(problem: Problem, acts: _Activations, assignment, memory, budget,
+                   solve_within):
   """A plan whose inputs plus live intermediates at their peak fit the budget.
 
   The peak's live set depends on the plan, so the constraint is posed on the values
@@ -1071,15 +1063,10 @@ def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
   Returns:
     (assignment, Lagrange weight).
   """
-  if budget is None:
-    return assignment, 0.0
-  acts = _activations(problem)
   best, leanest = math.inf, {}
   weight = 0.0
   for _ in range(_BUDGET_ROUNDS):
-    choice = {c: problem.domains[c][i] for c, i in assignment.items()}
-    peak, at = _activation_peak(problem, acts, choice)
-    used = _evaluate(memory, assignment)[0] + peak
+    used, at, choice = _memory_used(problem, acts, memory, assignment)
     if used < best:
       best, leanest = used, choice
     if used <= budget:
@@ -1088,22 +1075,27 @@ def _within_budget(problem: Problem, assignment, memory, budget, solve_within):
       assignment, weight = solve_within(memory + _activation_tables(problem, acts, at))
     except InfeasibleBudgetError as e:
       if len(e.args) > 1:  # the leanest plan the bisection reached
-        choice = {c: problem.domains[c][i] for c, i in e.args[1].items()}
-        used = _evaluate(memory, e.args[1])[0] + _activation_peak(problem, acts, choice)[0]
+        used, _, choice = _memory_used(problem, acts, memory, e.args[1])
         if used < best:
           best, leanest = used, choice
       break
   raise InfeasibleBudgetError(best, _largest_live(problem, acts, leanest))
 
 
-def _repair(problem: Problem, assignment, tables, memory, budget, sizes,
-            rounds: int = 4) -> dict[int, int]:
+def _memory_used(problem: Problem, acts: _Activations, memory, assignment):
+  """(inputs + live intermediates at the peak, peak position, class -> axes) of a plan."""
+  choice = {c: problem.domains[c][i] for c, i in assignment.items()}
+  peak, at = _activation_peak(problem, acts, choice)
+  return _evaluate(memory, assignment)[0] + peak, at, choice
+
+
+def _repair(problem: Problem, acts: _Activations, assignment, tables, memory, budget,
+            sizes, rounds: int = 4) -> dict[int, int]:
   """Greedy single-class moves that make a budgeted plan faster and keep it in budget.
 
   A Lagrange weight can leave a duality gap (a plan the weight does not reach may be
   faster and still fit); this closes some of it cheaply.
   """
-  acts = _activations(problem)
   touching: dict[int, list[_Table]] = {}
   for t in tables:
     for c in t.scope:
@@ -1116,20 +1108,17 @@ def _repair(problem: Problem, assignment, tables, memory, budget, sizes,
       total += float(t.time[idx])
     return total
 
-  def fits(trial):
-    choice = {c: problem.domains[c][i] for c, i in trial.items()}
-    return _evaluate(memory, trial)[0] + _activation_peak(problem, acts, choice)[0] <= budget
-
   assignment = dict(assignment)
   for _ in range(rounds):
     moved = False
     for c, n in sizes.items():
-      now = local(c, assignment.get(c, 0))
-      for k in sorted(range(n), key=lambda k: local(c, k)):
-        if local(c, k) >= now - 1e-12 * max(1.0, abs(now)):
+      costs = [local(c, k) for k in range(n)]
+      now = costs[assignment.get(c, 0)]
+      for k in sorted(range(n), key=costs.__getitem__):
+        if costs[k] >= now - 1e-12 * max(1.0, abs(now)):
           break
         trial = {**assignment, c: k}
-        if fits(trial):
+        if _memory_used(problem, acts, memory, trial)[0] <= budget:
           assignment, moved = trial, True
           break
     if not moved:
@@ -1265,6 +1254,11 @@ def _solve_ilp(factors, domain_size, memory, budget, time_limit):
   if res.x is None:
     if res.status == 2:
       raise InfeasibleBudgetError(math.inf)
+    if res.status == 1:
+      raise RuntimeError(
+          f"search: the unfolded integer program (fold=False) hit time_limit={time_limit} s "
+          "before it found any plan. Give it more time, or use fold=True: the same "
+          "objective, found by the folded search far faster.")
     raise RuntimeError(f"search: the integer program found no solution ({res.message})")
   status = "optimal" if res.status == 0 else "time_limit" if res.status == 1 else res.message
   assignment = {c: int(np.argmax(res.x[xoff[c]:xoff[c] + domain_size[c]])) for c in classes}
@@ -1477,13 +1471,9 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
   spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
   use_of = {}
   for i in g.inputs:
-    if (problem.cv(i.value), False) in problem.reader_dims:
-      rank = len(g.types[i.value].shape)
-      axes = [solution.choice.get(problem.read_class(i.value, d), ()) for d in range(rank)]
-      dims = _dims(range(rank), axes)  # as the cost tables read it
-      use = PartitionSpec(*costlib.Layout(dims).to_partition_spec())
-      if use != spec_of[i.value]:
-        use_of[i.value] = use
+    classes = problem.reader_dims.get((problem.cv(i.value), False))
+    if classes is not None and _spec(classes, solution.choice) != spec_of[i.value]:
+      use_of[i.value] = _spec(classes, solution.choice)
   layers = []
   groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
             for u in folded.unique_layers]
@@ -1529,6 +1519,15 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
                       constraints=_constraints(problem, solution, fixed))
 
 
+def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):
+  """The PartitionSpec of a value whose dims are in these classes, as the cost tables
+  read it (an axis splits only the first dim that asks for it)."""
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  axes = [choice.get(c, ()) if c is not None else () for c in classes]
+  return PartitionSpec(*costlib.Layout(_dims(range(len(axes)), axes)).to_partition_spec())
+
+
 def _generic(example: str) -> str:
   """'params/Block_3/MLP/fc1/kernel[1]' -> 'params/Block_*/MLP/fc1/kernel[1]'."""
   head, sep, dim = example.rpartition("[")
@@ -1547,11 +1546,7 @@ def _constraints(problem: Problem, solution: Solution,
   copies: dict[int, list[int]] = {}
   for u, c in view.canon.items():
     copies.setdefault(c, []).append(u)
-
-  def spec(classes) -> PartitionSpec:
-    axes = [solution.choice.get(c, ()) if c is not None else () for c in classes]
-    return PartitionSpec(*costlib.Layout(_dims(range(len(axes)), axes)).to_partition_spec())
-
+  spec = functools.partial(_spec, choice=solution.choice)
   out = []
   for (v, in_update), classes in sorted(problem.reader_dims.items()):
     want = spec(classes)

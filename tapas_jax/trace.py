@@ -191,6 +191,19 @@ class Graph:
     """value id -> key path, for graph inputs."""
     return {i.value: i.path for i in self.inputs}
 
+  @functools.cached_property
+  def carried(self) -> tuple[tuple[int, int], ...]:
+    """(output position, input position) of outputs that are the next value of an input:
+    the same path after the output's leading tuple index, and the same type (a train
+    step's new state)."""
+    by_path = {i.path: k for k, i in enumerate(self.inputs)}
+    out = []
+    for k, (v, path) in enumerate(zip(self.outputs, self.output_paths)):
+      j = by_path.get(path.split("/", 1)[1]) if "/" in path else None
+      if j is not None and self.types[self.inputs[j].value] == self.types[v]:
+        out.append((k, j))
+    return tuple(out)
+
   def region_ops(self, region: int = 0) -> tuple[Op, ...]:
     """The ops directly inside `region`, in program order."""
     return tuple(op for op in self.ops if op.region == region)

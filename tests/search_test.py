@@ -123,6 +123,16 @@ def test_folded_equals_unfolded_integer_program(name, overrides):
   assert folded.tables_built < unfolded.tables_built  # folding is what saved the work
 
 
+def test_unfolded_time_limit_is_reported_when_hit():
+  _, step, state, batch = zoo("gpt", num_layers=8)
+  with pytest.raises(RuntimeError, match=r"hit time_limit=0.05 s.*fold=True"):
+    tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu", fold=False,
+                 time_limit=0.05)
+  plan = tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu", fold=False,
+                      time_limit=120)
+  assert plan.stats["solver_status"] == "optimal"
+
+
 def _as_unfolded(folded_problem, unfolded_problem, choice):
   """A folded class choice, read back on the unfolded problem's classes."""
   out = {}
@@ -231,14 +241,22 @@ def test_batch_axes_keep_the_batch_off_other_axes():
     tapas.search(step, state, batch, mesh=MESHES["2d"], batch_axes=("rows",))
 
 
-def test_memory_pressure_stores_state_split_over_the_data_axis():
-  # Short sequences so that parameters and optimizer state, not activations, dominate
-  # (and GPT-2's vocabulary padded to 50304, as it is usually trained).
+@functools.lru_cache(maxsize=None)
+def short_gpt():
+  """(args, unconstrained plan, budget, budgeted plan) for GPT-2 small width on short
+  sequences, where parameters and optimizer state, not activations, dominate memory
+  (vocabulary padded to 50304, as it is usually trained); the budget is 30% of the
+  unconstrained plan's memory."""
   m = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
   args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
   free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
   budget = 0.3 * free.stats["predicted_memory_bytes"]
   tight = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget)
+  return args, free, budget, tight
+
+
+def test_memory_pressure_stores_state_split_over_the_data_axis():
+  args, free, budget, tight = short_gpt()
   assert tight.stats["predicted_memory_bytes"] <= budget
   assert tight.stats["predicted_step_s"] >= free.stats["predicted_step_s"]
   # Some parameters are stored split over `data` and gathered off it for use (ZeRO).
@@ -253,11 +271,7 @@ def test_memory_pressure_stores_state_split_over_the_data_axis():
 
 
 def test_budgeted_folded_search_is_close_to_the_exact_integer_program():
-  m = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
-  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
-  free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
-  budget = 0.3 * free.stats["predicted_memory_bytes"]
-  folded = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget)
+  args, _, budget, folded = short_gpt()
   exact = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget,
                        fold=False, time_limit=120)
   assert exact.stats["solver_status"] == "optimal"

@@ -1273,7 +1273,6 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
   """
   start = time.perf_counter()
   builder = _TableBuilder(problem, reuse=True, input_layouts=input_layouts)
-  g = problem.graph
   tables = _all_tables(problem, builder)
   index = {}
   for c, axes in choice.items():

@@ -61,7 +61,7 @@ def main():
   for name in baselines.BASELINES:
     plans[name] = baselines.baseline(name, step, state, batch, mesh=MESH, device="h100",
                                      family="gpt")
-  free = plans["search"].stats["predicted_memory_bytes"]
+  free = plans["search"].stats.predicted_memory_bytes
   for frac in (0.75, 0.68):
     plans[f"search, budget {frac:.2f}x"] = tapas.search(
         step, state, batch, mesh=mesh, device="h100", memory_budget=frac * free)
@@ -73,10 +73,10 @@ def main():
     bare, _ = compiled_figures(plan, step, state, batch, mesh, constrained=False)
     s, c = plan.stats, got.comm_bytes
     kinds = "/".join(f"{c[k] / 2**20:.0f}" for k in measure._KINDS)
-    print(f"{name:<26} {s['predicted_step_s'] * 1e3:>8.3f} "
-          f"{s['predicted_comm_bytes'] / 2**20:>9.1f} {c['total'] / 2**20:>8.1f} "
+    print(f"{name:<26} {s.predicted_step_s * 1e3:>8.3f} "
+          f"{s.predicted_comm_bytes / 2**20:>9.1f} {c['total'] / 2**20:>8.1f} "
           f"{bare.comm_bytes['total'] / 2**20:>13.1f} {kinds:>24} "
-          f"{s['predicted_memory_bytes'] / 2**30:>9.3f} {got.memory_bytes / 2**30:>8.3f} "
+          f"{s.predicted_memory_bytes / 2**30:>9.3f} {got.memory_bytes / 2**30:>8.3f} "
           f"{bare.memory_bytes / 2**30:>13.3f} {len(plan.constraints):>5}", flush=True)
 
 

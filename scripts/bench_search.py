@@ -10,7 +10,6 @@ Search time excludes trace and fold (both printed where asked).
 
 import argparse
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,12 +17,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import tapas_jax as tapas  # noqa: E402
-from tapas_jax import baselines, models  # noqa: E402
+from tapas_jax import baselines, models, solver  # noqa: E402
 from tapas_jax import cost as costlib  # noqa: E402
 from tapas_jax.fold import fold  # noqa: E402
 from tapas_jax.trace import trace  # noqa: E402
 
-S = sys.modules["tapas_jax.search"]
 MESH = {"data": 2, "model": 4}
 
 
@@ -37,9 +35,10 @@ def timed_solve(graph, folded, view_fold, solver_fold, time_limit=None, device="
   profile = costlib.get_profile(device)
   spec = costlib.mesh_spec(mesh, profile)
   start = time.perf_counter()
-  view = S.folded_view(folded) if view_fold else S.unfolded_view(graph)
-  problem = S.build_problem(graph, spec, profile, ("data",), view=view)
-  solution = S.solve(problem, fold=solver_fold, time_limit=time_limit)
+  view = solver.folded_view(folded) if view_fold else solver.unfolded_view(graph)
+  problem = solver.build_problem(graph, spec, profile, ("data",), view=view)
+  solution = solver.solve(problem, reuse=solver_fold,
+                          solver="elimination" if solver_fold else "ilp", time_limit=time_limit)
   return solution, time.perf_counter() - start
 
 
@@ -82,12 +81,12 @@ def section_175b():
                                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
   plan = tapas.search(*args, mesh=mesh, device="tpu-v5p")
   s = plan.stats
-  total = s["trace_s"] + s["fold_s"] + s["search_s"]
-  print(f"  equations {s['num_equations']}, {s['num_layer_instances']} instances of "
-        f"{s['num_unique_layers']} unique layer(s)")
-  print(f"  bare make_jaxpr {bare:.2f} s | trace {s['trace_s']:.2f} s + fold "
-        f"{s['fold_s']:.2f} s + search {s['search_s']:.3f} s = {total:.2f} s")
-  print(f"  search (excluding trace) under 1 s: {s['search_s'] < 1.0}")
+  total = s.trace_s + s.fold_s + s.search_s
+  print(f"  equations {s.num_equations}, {s.num_layer_instances} instances of "
+        f"{s.num_unique_layers} unique layer(s)")
+  print(f"  bare make_jaxpr {bare:.2f} s | trace {s.trace_s:.2f} s + fold "
+        f"{s.fold_s:.2f} s + search {s.search_s:.3f} s = {total:.2f} s")
+  print(f"  search (excluding trace) under 1 s: {s.search_s < 1.0}")
   print("  " + plan.summary().replace("\n", "\n  "))
 
 
@@ -101,12 +100,12 @@ def section_rediscover():
     print("  " + plan.summary().replace("\n", "\n  "))
     for name in baselines.BASELINES:
       base = baselines.baseline(name, *args, mesh=MESH, device="h100", family=family)
-      print(f"  baseline {name:<14} {base.stats['predicted_step_s'] * 1e3:9.3f} ms/step "
-            f"{base.stats['predicted_comm_bytes'] / 2**20:9.1f} MiB sent "
-            f"{base.stats['predicted_state_bytes'] / 2**30:7.3f} GiB state/device")
-    print(f"  search         {plan.stats['predicted_step_s'] * 1e3:16.3f} ms/step "
-          f"{plan.stats['predicted_comm_bytes'] / 2**20:9.1f} MiB sent "
-          f"{plan.stats['predicted_state_bytes'] / 2**30:7.3f} GiB state/device")
+      print(f"  baseline {name:<14} {base.stats.predicted_step_s * 1e3:9.3f} ms/step "
+            f"{base.stats.predicted_comm_bytes / 2**20:9.1f} MiB sent "
+            f"{base.stats.predicted_state_bytes / 2**30:7.3f} GiB state/device")
+    print(f"  search         {plan.stats.predicted_step_s * 1e3:16.3f} ms/step "
+          f"{plan.stats.predicted_comm_bytes / 2**20:9.1f} MiB sent "
+          f"{plan.stats.predicted_state_bytes / 2**30:7.3f} GiB state/device")
 
 
 def section_memory():
@@ -117,19 +116,19 @@ def section_memory():
   mesh = MESH
   replicated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
   free = tapas.search(*args, mesh=mesh, device="h100")
-  act = free.stats["predicted_memory_bytes"] - free.stats["predicted_state_bytes"]
+  act = free.stats.predicted_memory_bytes - free.stats.predicted_state_bytes
   print(f"  replicated inputs {replicated / 2**30:.3f} GiB/device; unconstrained plan: "
-        f"inputs {free.stats['predicted_state_bytes'] / 2**30:.3f} + activations "
-        f"{act / 2**30:.3f} GiB/device, {free.stats['predicted_step_s'] * 1e3:.3f} ms")
+        f"inputs {free.stats.predicted_state_bytes / 2**30:.3f} + activations "
+        f"{act / 2**30:.3f} GiB/device, {free.stats.predicted_step_s * 1e3:.3f} ms")
   for name in baselines.BASELINES:
     base = baselines.baseline(name, *args, mesh=mesh, device="h100", family="gpt")
-    print(f"  {name} baseline: inputs {base.stats['predicted_state_bytes'] / 2**30:.3f} GiB, "
-          f"memory {base.stats['predicted_memory_bytes'] / 2**30:.3f} GiB/device, "
-          f"{base.stats['predicted_step_s'] * 1e3:.3f} ms")
+    print(f"  {name} baseline: inputs {base.stats.predicted_state_bytes / 2**30:.3f} GiB, "
+          f"memory {base.stats.predicted_memory_bytes / 2**30:.3f} GiB/device, "
+          f"{base.stats.predicted_step_s * 1e3:.3f} ms")
   print(f"  {'budget':>6} {'GiB':>6} {'memory GiB':>11} {'inputs GiB':>11} {'ms/step':>8} "
         f"{'heads split':>12} {'stored on data':>15} {'gathered for use':>17} {'search s':>9}")
   for frac in (0.9, 0.75, 0.7, 0.68, 0.66):
-    budget = frac * free.stats["predicted_memory_bytes"]
+    budget = frac * free.stats.predicted_memory_bytes
     start = time.perf_counter()
     try:
       plan = tapas.search(*args, mesh=mesh, device="h100", memory_budget=budget)
@@ -145,8 +144,8 @@ def section_memory():
                 if path.endswith("Attention/query/kernel"))
     gathered = sum(len(layer.use_specs) for layer in plan.layers)
     s = plan.stats
-    print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} {s['predicted_memory_bytes'] / 2**30:>11.3f} "
-          f"{s['predicted_state_bytes'] / 2**30:>11.3f} {s['predicted_step_s'] * 1e3:>8.3f} "
+    print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} {s.predicted_memory_bytes / 2**30:>11.3f} "
+          f"{s.predicted_state_bytes / 2**30:>11.3f} {s.predicted_step_s * 1e3:>8.3f} "
           f"{str(heads):>12} {on_data:>15} {gathered:>17} {took:>9.2f}")
   # Under a budget the folded search tunes one Lagrange weight: not exact. The integer
   # program takes the budget as a hard row.
@@ -155,16 +154,16 @@ def section_memory():
   for label, case, frac in (("4 layers, seq 1024", args, 0.7),
                             ("2 layers, seq 64, vocab 50304", short_args, 0.3)):
     unconstrained = tapas.search(*case, mesh=mesh, device="h100")
-    budget = frac * unconstrained.stats["predicted_memory_bytes"]
+    budget = frac * unconstrained.stats.predicted_memory_bytes
     lagrange = tapas.search(*case, mesh=mesh, device="h100", memory_budget=budget)
     start = time.perf_counter()
     exact = tapas.search(*case, mesh=mesh, device="h100", memory_budget=budget, fold=False,
                          time_limit=300)
     print(f"  {label}, budget {frac:.2f}: folded (Lagrange + greedy) "
-          f"{lagrange.stats['predicted_step_s'] * 1e3:.3f} ms vs unfolded integer program "
-          f"{exact.stats['predicted_step_s'] * 1e3:.3f} ms ({exact.stats['solver_status']}, "
+          f"{lagrange.stats.predicted_step_s * 1e3:.3f} ms vs unfolded integer program "
+          f"{exact.stats.predicted_step_s * 1e3:.3f} ms ({exact.stats.solver_status}, "
           f"{time.perf_counter() - start:.1f} s): folded "
-          f"{lagrange.stats['predicted_step_s'] / exact.stats['predicted_step_s'] - 1:+.2%}")
+          f"{lagrange.stats.predicted_step_s / exact.stats.predicted_step_s - 1:+.2%}")
 
 
 def main():

@@ -1,7 +1,7 @@
 """tapas_jax: automatic tensor-parallel sharding for JAX, after TAPAS (arXiv 2302.00247).
 
 The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` ->
-`Folded`: unique layers and their instances), `search` (-> `Plan`), then `apply`
+`Folded`: unique layers and their instances), `solver` (-> `Plan`), then `apply`
 (-> a jitted function XLA partitions the plan's way). `tapas.search(fn, *args,
 mesh=...)` runs the first three; `tapas.apply(plan, fn)` and `tapas.place(plan,
 *args)` run the plan.
@@ -19,11 +19,12 @@ Example:
 from tapas_jax import fold
 from tapas_jax import models
 from tapas_jax import trace
+from tapas_jax.api import search
 from tapas_jax.apply import apply, place
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
-from tapas_jax.plan import Plan
-from tapas_jax.search import InfeasibleBudgetError, search
+from tapas_jax.plan import Plan, PlanStats
+from tapas_jax.solver import InfeasibleBudgetError
 from tapas_jax.trace import Graph, TraceError
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "MeshError",
     "Plan",
+    "PlanStats",
     "TraceError",
     "apply",
     "fold",

@@ -20,20 +20,17 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import time
 from typing import Any, Mapping
 
+from tapas_jax import api
 from tapas_jax import cost as costlib
-from tapas_jax import fold as foldlib
-from tapas_jax import trace as tracelib
+from tapas_jax import plan as planlib
+from tapas_jax import solver
 
 __all__ = ["BASELINES", "MEGATRON_SPLITS", "baseline"]
-
-# The module, not the `tapas_jax.search` function that the package re-exports.
-_search = importlib.import_module("tapas_jax.search")
 
 # Parameter path pattern -> the dim Megatron splits over the model axes.
 _GPT = ((r"Attention/(query|key|value)/kernel$", 1), (r"MLP/fc1/kernel$", 1))
@@ -122,26 +119,21 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   """
   if name not in BASELINES:
     raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
-  axes = _search._mesh_axes(mesh)
-  profile = costlib.get_profile(device or _search._default_device())
-  mesh_spec = costlib.mesh_spec(axes, profile, links)
-  graph = tracelib.trace(fn, *args)
-  folded = foldlib.fold(graph)
+  prepared = api.prepare(fn, args, mesh=mesh, device=device, batch_axes=None, links=links)
   start = time.perf_counter()
-  problem = _search.build_problem(graph, mesh_spec, profile, batch_axes=None,
-                                  view=_search.folded_view(folded))
+  problem, mesh_spec = prepared.problem, prepared.mesh
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
   layouts = None
   if name == "megatron":
     if batch_axes is None:
-      batch_axes = _search._default_batch_axes(mesh_spec)
+      batch_axes = solver.default_batch_axes(mesh_spec)
     choice = _megatron_choice(problem, family or "", tuple(batch_axes))
   else:
     choice = {c: a for c, a in _batch_choice(problem, every).items() if a}
     if name == "fsdp":
       stored, layouts = _fsdp(problem)
       choice.update(stored)
-  solution = _search.evaluate(problem, choice, input_layouts=layouts)
-  return _search.make_plan(problem, folded, solution, args,
-                           search_s=time.perf_counter() - start, name=name,
-                           input_layouts=layouts)
+  solution = solver.evaluate(problem, choice, input_layouts=layouts)
+  return planlib.make_plan(problem, prepared.folded, solution, args,
+                           search_s=prepared.prepare_s + time.perf_counter() - start,
+                           name=name, input_layouts=layouts)

@@ -11,18 +11,60 @@ Example:
   ...                     jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
   ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32),
   ...                     mesh={"data": 8}, device="h100")
-  >>> plan.in_specs[1], plan.stats["num_equations"]
+  >>> plan.in_specs[1], plan.stats.num_equations
   (P('data', None), 2)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import functools
+import re
+from typing import Any, Mapping, Sequence
 
+import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["Constraint", "LayerStrategy", "Plan"]
+from tapas_jax import cost as costlib
+from tapas_jax.fold import Folded
+from tapas_jax.solver import Problem, Solution
+from tapas_jax.solver import memory, tables
+
+__all__ = ["Constraint", "LayerStrategy", "Plan", "PlanStats", "make_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStats:
+  """What planning took and what the plan is predicted to cost, per device.
+
+  Attributes:
+    num_equations: equations traced (every level of nesting).
+    num_layer_instances: layer instances folding found.
+    num_unique_layers: distinct layers among them.
+    trace_s: seconds tracing (`make_jaxpr` and the walk).
+    fold_s: seconds folding.
+    search_s: seconds building the problem and solving it.
+    predicted_step_s: predicted compute + communication seconds per step.
+    predicted_comm_bytes: bytes sent per device per step.
+    predicted_state_bytes: per-device bytes of the program's inputs.
+    predicted_memory_bytes: inputs plus the intermediates live at the activation peak.
+    cost_tables_built: op cost tables computed (not reused).
+    solver_status: "optimal"; "time_limit" when the integer program stopped early;
+      "exact over reduced domains (...)" when elimination had to narrow the choices.
+  """
+
+  num_equations: int
+  num_layer_instances: int
+  num_unique_layers: int
+  trace_s: float
+  fold_s: float
+  search_s: float
+  predicted_step_s: float
+  predicted_comm_bytes: float
+  predicted_state_bytes: float
+  predicted_memory_bytes: float
+  cost_tables_built: int
+  solver_status: str = "optimal"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +118,7 @@ class Plan:
     class_axes: readable (dimension class example, size, mesh axes) for split classes,
       one line per kind (copies of a layer differ only in their numbers: `Block_*`).
     layers: strategy per unique layer, then glue.
-    stats: num_equations, num_layer_instances, num_unique_layers, trace_s, fold_s,
-      search_s, predicted_step_s, predicted_comm_bytes, predicted_memory_bytes,
-      predicted_state_bytes, cost_tables_built.
+    stats: timings of each stage and the predicted cost (`PlanStats`).
     fingerprint: canonical hash of the traced program (checked when applied).
     name: "tapas" for a searched plan, else the baseline's name.
     constraints: layouts `apply` pins inside the program (see `Constraint`).
@@ -89,7 +129,7 @@ class Plan:
   in_specs: tuple[Any, ...]
   class_axes: tuple[tuple[str, int, tuple[str, ...]], ...]
   layers: tuple[LayerStrategy, ...]
-  stats: Mapping[str, Any]
+  stats: PlanStats
   fingerprint: str
   name: str = "tapas"
   constraints: tuple[Constraint, ...] = ()
@@ -99,12 +139,12 @@ class Plan:
     s = self.stats
     lines = [
         f"Plan {self.name!r} on mesh {dict(self.mesh_axes)} ({self.device}): predicted "
-        f"{s['predicted_step_s'] * 1e3:.3f} ms/step, "
-        f"{s['predicted_comm_bytes'] / 2**20:.2f} MiB sent/device, "
-        f"{s['predicted_memory_bytes'] / 2**30:.3f} GiB/device",
-        f"  {s['num_equations']} equations, {s['num_layer_instances']} layer instances of "
-        f"{s['num_unique_layers']} unique layer(s); trace {s['trace_s']:.2f}s, fold "
-        f"{s['fold_s']:.2f}s, search {s['search_s']:.2f}s"]
+        f"{s.predicted_step_s * 1e3:.3f} ms/step, "
+        f"{s.predicted_comm_bytes / 2**20:.2f} MiB sent/device, "
+        f"{s.predicted_memory_bytes / 2**30:.3f} GiB/device",
+        f"  {s.num_equations} equations, {s.num_layer_instances} layer instances of "
+        f"{s.num_unique_layers} unique layer(s); trace {s.trace_s:.2f}s, fold "
+        f"{s.fold_s:.2f}s, search {s.search_s:.2f}s"]
     if self.class_axes:
       lines.append("  split dimensions: " + ", ".join(
           f"{ex or '?'} ({size}) -> {'x'.join(axes)}" for ex, size, axes in self.class_axes[:12])
@@ -125,3 +165,137 @@ class Plan:
 
 def _spec_text(spec: PartitionSpec) -> str:
   return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
+              search_s: float, name: str = "tapas",
+              input_layouts: Mapping[int, costlib.Layout] | None = None):
+  """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
+
+  Args:
+    input_layouts: inputs stored in a fixed layout rather than their classes' (the
+      FSDP baseline); their specs come from here.
+  """
+  g = problem.graph
+  fixed = input_layouts or {}
+  specs = [PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, solution.choice))
+                         .to_partition_spec()) for i in g.inputs]
+  in_specs, k = [], 0
+  for arg in args:
+    leaves, treedef = jax.tree_util.tree_flatten(arg)
+    in_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
+    k += len(leaves)
+  spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
+  use_of = {}
+  for i in g.inputs:
+    classes = problem.reader_dims.get((problem.cv(i.value), False))
+    if classes is not None and _spec(classes, solution.choice) != spec_of[i.value]:
+      use_of[i.value] = _spec(classes, solution.choice)
+  layers = []
+  groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
+            for u in folded.unique_layers]
+  groups.append(("glue", 1, [i for seg in folded.glue for i in seg.ops]))
+  for layer_name, count, ops in groups:
+    read: dict[str, int] = {}
+    for i in ops:
+      for v in g.ops[i].inputs:
+        if v in spec_of:
+          read.setdefault(g.input_path[v], v)
+    if not read:
+      continue
+    layers.append(LayerStrategy(
+        name=layer_name, instances=count,
+        param_specs=tuple((path, spec_of[v]) for path, v in read.items()),
+        use_specs=tuple((path, use_of[v]) for path, v in read.items() if v in use_of)))
+  # One line per kind of split: copies of a layer differ only in their numbers.
+  class_axes, seen = [], set()
+  for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size):
+    example = _generic(problem.classes[c].example)
+    if (example, axes) not in seen:
+      seen.add((example, axes))
+      class_axes.append((example, problem.classes[c].size, axes))
+  class_axes = tuple(class_axes)
+  stats = PlanStats(
+      num_equations=len(g.ops),
+      num_layer_instances=len(folded.instances),
+      num_unique_layers=len(folded.unique_layers),
+      trace_s=g.trace_s + g.walk_s,
+      fold_s=folded.fold_s,
+      search_s=search_s,
+      predicted_step_s=solution.step_s,
+      predicted_comm_bytes=solution.comm_bytes,
+      predicted_state_bytes=solution.state_bytes,
+      predicted_memory_bytes=solution.state_bytes + _activation_peak(problem, solution),
+      cost_tables_built=solution.tables_built,
+      solver_status=solution.status,
+  )
+  return Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
+                      device=problem.profile.name, in_specs=tuple(in_specs),
+                      class_axes=class_axes, layers=tuple(layers), stats=stats,
+                      fingerprint=g.regions[0].fingerprint, name=name,
+                      constraints=_constraints(problem, solution, fixed))
+
+
+def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):
+  """The PartitionSpec of a value whose dims are in these classes, as the cost tables
+  read it (an axis splits only the first dim that asks for it)."""
+  axes = [choice.get(c, ()) if c is not None else () for c in classes]
+  return PartitionSpec(*costlib.Layout(tables.mesh_dims(range(len(axes)), axes)).to_partition_spec())
+
+
+def _generic(example: str) -> str:
+  """'params/Block_3/MLP/fc1/kernel[1]' -> 'params/Block_*/MLP/fc1/kernel[1]'."""
+  head, sep, dim = example.rpartition("[")
+  return re.sub(r"\d+", "*", head) + sep + dim if sep else re.sub(r"\d+", "*", example)
+
+
+def _constraints(problem: Problem, solution: Solution,
+                 fixed: Mapping[int, costlib.Layout]) -> tuple:
+  """Where a cut value is read in another layout than it was made or stored in, the
+  reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
+  g, view = problem.graph, problem.view
+  copies: dict[int, list[int]] = {}
+  for u, c in view.canon.items():
+    copies.setdefault(c, []).append(u)
+  spec = functools.partial(_spec, choice=solution.choice)
+  out = []
+  for (v, in_update), classes in sorted(problem.reader_dims.items()):
+    want = spec(classes)
+    rank = len(g.types[v].shape)
+    if v in fixed:
+      have = PartitionSpec(*fixed[v].to_partition_spec())
+    else:
+      have = spec([problem.value_class.get((v, d)) for d in range(rank)])
+    if want == have:
+      continue  # read as it is: nothing for XLA to be told
+    for u in [v] + copies.get(v, []):
+      for r in g.consumers.get(u, ()):
+        op = g.ops[r]
+        if op.region != 0 or (view.op_canon.get(r, r) in problem.update_ops) != in_update:
+          continue
+        out += [Constraint(site=op.site, slot=k, spec=want)
+                for k, x in enumerate(op.inputs) if x == u]
+  # Contractions' results as planned, reduced where they are made: XLA propagates the
+  # rest from these, and otherwise picks layouts of its own between them.
+  for op in g.region_ops(0):
+    rep = view.op_canon.get(op.index, op.index)
+    rule = problem.rules.get(rep)
+    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
+    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+      continue
+    v = op.outputs[0]
+    made = spec([None if f is None else problem.vclass(v, d)
+                 for d, f in enumerate(rule.outputs[0])])
+    for r in g.consumers.get(v, ()):
+      reader = g.ops[r]
+      if reader.region != 0 or (problem.cv(v), view.op_canon.get(r, r) in problem.update_ops) \
+          in problem.reader_dims:
+        continue  # read through a cut: pinned above
+      out += [Constraint(site=reader.site, slot=k, spec=made)
+              for k, x in enumerate(reader.inputs) if x == v]
+  return tuple(out)
+
+
+def _activation_peak(problem: Problem, solution: Solution) -> float:
+  """Peak per-device bytes of live intermediate values over the top-level program."""
+  return memory.activation_peak(problem, memory.activations(problem), solution.choice)[0]

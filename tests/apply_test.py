@@ -28,9 +28,9 @@ def planned(family, kind):
   free = tapas.search(*args, mesh=MESH, device="cpu")
   if kind == "search":
     return m, free
-  budget = 0.5 * free.stats["predicted_memory_bytes"]
+  budget = 0.5 * free.stats.predicted_memory_bytes
   plan = tapas.search(*args, mesh=MESH, device="cpu", memory_budget=budget)
-  assert plan.stats["predicted_memory_bytes"] <= budget
+  assert plan.stats.predicted_memory_bytes <= budget
   return m, plan
 
 
@@ -80,11 +80,11 @@ def test_xla_follows_a_plan_that_stores_parameters_apart_from_their_use():
   step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(8)
   free = tapas.search(step, state, batch, mesh=MESH, device="h100")
   plan = tapas.search(step, state, batch, mesh=MESH, device="h100",
-                      memory_budget=0.3 * free.stats["predicted_memory_bytes"])
+                      memory_budget=0.3 * free.stats.predicted_memory_bytes)
   assert any(layer.use_specs for layer in plan.layers)
   applied = _compiled(plan, step, state, batch, constrained=True)
   bare = _compiled(plan, step, state, batch, constrained=False)
-  predicted = plan.stats["predicted_comm_bytes"]
+  predicted = plan.stats.predicted_comm_bytes
   # Measured 29.3 MiB applied vs 30.0 predicted; in_shardings alone: 50.3.
   assert applied.comm_bytes["total"] == pytest.approx(predicted, rel=0.1)
   assert bare.comm_bytes["total"] > 1.3 * applied.comm_bytes["total"]

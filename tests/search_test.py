@@ -1,8 +1,8 @@
 """search: the public entry point, exactness (folded == unfolded), quality, memory, errors."""
 
+import dataclasses
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +11,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tapas_jax as tapas
-from tapas_jax import baselines, measure, models
+from tapas_jax import baselines, measure, models, solver
 from tapas_jax import cost as costlib
 from tapas_jax.fold import fold
 from tapas_jax.trace import trace
 
-search_mod = sys.modules["tapas_jax.search"]
 
 MESHES = {
     "1d": {"data": 8},
@@ -43,9 +42,10 @@ def test_entry_point_on_every_zoo_model_and_mesh(name, mesh):
   _, step, state, batch = zoo(name)
   plan = tapas.search(step, state, batch, mesh=MESHES[mesh], device="cpu")
   assert isinstance(plan, tapas.Plan)
-  assert STATS <= set(plan.stats)
-  assert plan.stats["predicted_step_s"] > 0 and plan.stats["predicted_memory_bytes"] > 0
-  assert plan.stats["num_unique_layers"] >= 1
+  assert isinstance(plan.stats, tapas.PlanStats)
+  assert STATS <= {f.name for f in dataclasses.fields(plan.stats)}
+  assert plan.stats.predicted_step_s > 0 and plan.stats.predicted_memory_bytes > 0
+  assert plan.stats.num_unique_layers >= 1
   # One pytree of PartitionSpec per positional argument, shaped like the argument.
   assert len(plan.in_specs) == 2
   for arg, specs in zip((state, batch), plan.in_specs):
@@ -99,9 +99,9 @@ def _problems(name, mesh, device="cpu", batch_axes=("data",), **overrides):
   profile = costlib.get_profile(device)
   graph = trace(step, state, batch)
   spec = costlib.mesh_spec(mesh, profile)
-  folded = search_mod.folded_view(fold(graph))
-  return (search_mod.build_problem(graph, spec, profile, batch_axes, view=folded),
-          search_mod.build_problem(graph, spec, profile, batch_axes))
+  folded = solver.folded_view(fold(graph))
+  return (solver.build_problem(graph, spec, profile, batch_axes, view=folded),
+          solver.build_problem(graph, spec, profile, batch_axes))
 
 
 @pytest.mark.parametrize("name,overrides", [
@@ -110,14 +110,14 @@ def _problems(name, mesh, device="cpu", batch_axes=("data",), **overrides):
     ("vit", dict(num_layers=5))])
 def test_folded_equals_unfolded_integer_program(name, overrides):
   folded_problem, unfolded_problem = _problems(name, MESHES["2d"], **overrides)
-  folded = search_mod.solve(folded_problem, fold=True)
-  unfolded = search_mod.solve(unfolded_problem, fold=False, time_limit=120)
+  folded = solver.solve(folded_problem)
+  unfolded = solver.solve(unfolded_problem, reuse=False, solver="ilp", time_limit=120)
   assert unfolded.status == "optimal"
   # The folded objective estimates the whole program (edge copies kept, interior copies
   # counted by weight); T5's shared encoder output makes it 1.4% optimistic.
   assert folded.step_s == pytest.approx(unfolded.step_s, rel=0.02)
   # The folded plan, costed on the whole program, is as good as the reference.
-  check = search_mod.evaluate(unfolded_problem, _as_unfolded(folded_problem, unfolded_problem,
+  check = solver.evaluate(unfolded_problem, _as_unfolded(folded_problem, unfolded_problem,
                                                              folded.choice))
   assert check.step_s == pytest.approx(unfolded.step_s, rel=0.01)
   assert folded.tables_built < unfolded.tables_built  # folding is what saved the work
@@ -125,12 +125,12 @@ def test_folded_equals_unfolded_integer_program(name, overrides):
 
 def test_unfolded_time_limit_is_reported_when_hit():
   _, step, state, batch = zoo("gpt", num_layers=8)
-  with pytest.raises(RuntimeError, match=r"hit time_limit=0.05 s.*fold=True"):
+  with pytest.raises(RuntimeError, match=r"hit time_limit=0.05 s.*solver='elimination'"):
     tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu", fold=False,
                  time_limit=0.05)
   plan = tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu", fold=False,
                       time_limit=120)
-  assert plan.stats["solver_status"] == "optimal"
+  assert plan.stats.solver_status == "optimal"
 
 
 def _as_unfolded(folded_problem, unfolded_problem, choice):
@@ -150,7 +150,7 @@ def test_folded_search_is_no_worse_than_any_baseline_with_the_same_freedom():
   plan = tapas.search(*args, mesh=mesh, device="h100", batch_axes=None)
   for name in baselines.BASELINES:
     base = baselines.baseline(name, *args, mesh=mesh, device="h100", family="gpt")
-    assert plan.stats["predicted_step_s"] <= base.stats["predicted_step_s"] * (1 + 1e-9), name
+    assert plan.stats.predicted_step_s <= base.stats.predicted_step_s * (1 + 1e-9), name
     if name == "fsdp":  # state stored split over every axis, ZeRO-3 style
       assert _spec(base, "params/Block_0/MLP/fc1/kernel") == PartitionSpec(
           None, ("data", "model"))
@@ -188,12 +188,12 @@ def test_rediscovers_megatron_on_gpt_or_what_the_compiler_confirms_cheaper():
   assert plan.in_specs[1]["inputs"] == PartitionSpec("data", None)
   megatron = baselines.baseline("megatron", *args, mesh=MESHES["2d"], device="h100",
                                 family="gpt")
-  assert plan.stats["predicted_step_s"] <= megatron.stats["predicted_step_s"] * (1 + 1e-9)
+  assert plan.stats.predicted_step_s <= megatron.stats.predicted_step_s * (1 + 1e-9)
   # What XLA sends matches the prediction, and where the plan leaves Megatron's
   # layout (attention heads not split: XLA reduces dx of q, k and v one by one) the
   # compiled program sends less than Megatron's.
   sent = _compiled_comm_bytes(plan, *args)
-  assert sent == pytest.approx(plan.stats["predicted_comm_bytes"], rel=0.05)
+  assert sent == pytest.approx(plan.stats.predicted_comm_bytes, rel=0.05)
   if _spec(plan, "params/Block_0/Attention/query/kernel") != PartitionSpec(None, "model", None):
     assert sent < _compiled_comm_bytes(megatron, *args)
 
@@ -209,7 +209,7 @@ def test_scan_body_is_searched_with_its_trip_count():
   flat = tapas.search(unrolled.train_step(), unrolled.abstract_state(), unrolled.batch_spec(8),
                       mesh=MESHES["2d"], device="h100", batch_axes=("data",))
   # The scanned body costs trip-count times: the same order as the unrolled program.
-  ratio = plan.stats["predicted_step_s"] / flat.stats["predicted_step_s"]
+  ratio = plan.stats.predicted_step_s / flat.stats.predicted_step_s
   assert 0.5 < ratio < 1.5, ratio
 
 
@@ -226,9 +226,9 @@ def test_rediscovers_megatron_on_llama_with_grouped_query_attention():
       assert _spec(plan, f"{block}/{proj}/kernel") == PartitionSpec("model", None), proj
   megatron = baselines.baseline("megatron", *args, mesh=MESHES["2d"], device="h100",
                                 family="llama")
-  assert plan.stats["predicted_step_s"] <= megatron.stats["predicted_step_s"] * (1 + 1e-9)
+  assert plan.stats.predicted_step_s <= megatron.stats.predicted_step_s * (1 + 1e-9)
   assert _compiled_comm_bytes(plan, *args) == pytest.approx(
-      plan.stats["predicted_comm_bytes"], rel=0.05)
+      plan.stats.predicted_comm_bytes, rel=0.05)
 
 
 def test_batch_axes_keep_the_batch_off_other_axes():
@@ -250,15 +250,15 @@ def short_gpt():
   m = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
   args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
   free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
-  budget = 0.3 * free.stats["predicted_memory_bytes"]
+  budget = 0.3 * free.stats.predicted_memory_bytes
   tight = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget)
   return args, free, budget, tight
 
 
 def test_memory_pressure_stores_state_split_over_the_data_axis():
   args, free, budget, tight = short_gpt()
-  assert tight.stats["predicted_memory_bytes"] <= budget
-  assert tight.stats["predicted_step_s"] >= free.stats["predicted_step_s"]
+  assert tight.stats.predicted_memory_bytes <= budget
+  assert tight.stats.predicted_step_s >= free.stats.predicted_step_s
   # Some parameters are stored split over `data` and gathered off it for use (ZeRO).
   gathered = [(path, dict(layer.param_specs)[path], use) for layer in tight.layers
               for path, use in layer.use_specs]
@@ -266,20 +266,20 @@ def test_memory_pressure_stores_state_split_over_the_data_axis():
              for _, stored, use in gathered), gathered
   assert "used as P(" in tight.summary()
   fsdp = baselines.baseline("fsdp", *args, mesh=MESHES["2d"], device="h100", family="gpt")
-  if fsdp.stats["predicted_memory_bytes"] <= budget:
-    assert tight.stats["predicted_step_s"] <= fsdp.stats["predicted_step_s"]
+  if fsdp.stats.predicted_memory_bytes <= budget:
+    assert tight.stats.predicted_step_s <= fsdp.stats.predicted_step_s
 
 
 def test_budgeted_folded_search_is_close_to_the_exact_integer_program():
   args, _, budget, folded = short_gpt()
   exact = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget,
                        fold=False, time_limit=120)
-  assert exact.stats["solver_status"] == "optimal"
+  assert exact.stats.solver_status == "optimal"
   for plan in (folded, exact):
-    assert plan.stats["predicted_memory_bytes"] <= budget
+    assert plan.stats.predicted_memory_bytes <= budget
   # A Lagrange weight plus greedy repair, not exact: measured 0.518 vs 0.511 ms.
-  assert exact.stats["predicted_step_s"] <= folded.stats["predicted_step_s"] * (1 + 1e-9)
-  assert folded.stats["predicted_step_s"] <= 1.02 * exact.stats["predicted_step_s"]
+  assert exact.stats.predicted_step_s <= folded.stats.predicted_step_s * (1 + 1e-9)
+  assert folded.stats.predicted_step_s <= 1.02 * exact.stats.predicted_step_s
 
 
 def _axes(spec):
@@ -291,14 +291,14 @@ def test_memory_budget_counts_live_activations():
   args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
   free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
   # Enough for all the inputs replicated, not for the activations of this plan.
-  budget = 0.9 * free.stats["predicted_memory_bytes"]
+  budget = 0.9 * free.stats.predicted_memory_bytes
   assert budget > sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
   try:
     plan = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget,
                         batch_axes=None)
   except tapas.InfeasibleBudgetError as e:
     pytest.fail(f"splitting the batch over every axis fits: {e}")
-  assert plan.stats["predicted_memory_bytes"] <= budget
+  assert plan.stats.predicted_memory_bytes <= budget
 
 
 def test_infeasible_budget_names_the_floor_and_the_biggest_tensors():
@@ -316,7 +316,7 @@ def test_abstract_mesh_plans_a_175b_shape_without_devices():
                       device="tpu-v5p")
   assert plan.mesh_axes == {"data": 16, "model": 16}
   # 2 layers of d=12288 with adam do not fit one chip replicated; the plan splits them.
-  assert plan.stats["predicted_state_bytes"] < 95 * 2**30
+  assert plan.stats.predicted_state_bytes < 95 * 2**30
 
 
 def test_explicit_mesh_is_rejected():
@@ -340,4 +340,4 @@ def test_unknown_primitive_is_replicated_with_one_warning():
     plan = tapas.search(f, jax.ShapeDtypeStruct((256, 256), jnp.float32),
                         jax.ShapeDtypeStruct((4096, 256), jnp.float32),
                         mesh={"data": 8}, device="cpu")
-  assert plan.stats["predicted_step_s"] > 0
+  assert plan.stats.predicted_step_s > 0

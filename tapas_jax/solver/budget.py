@@ -1,0 +1,207 @@
+"""Fitting a plan into a per-device memory budget.
+
+The budget covers the inputs plus the intermediates live at the activation peak. It
+enters the folded search as a Lagrange weight on memory tables, tuned by bisection
+(`fit_budget`); the peak's live set depends on the plan, so the constraint is re-posed
+at the new peak while the peak moves (`within_budget`); greedy single-class moves then
+close part of the duality gap (`repair`). The integer program takes the budget as a
+hard row instead. Results are `BudgetResult` records; the public error is raised once,
+with the whole story, by `solve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping
+
+from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
+                                     memory_used)
+from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.tables import Table, evaluate_tables
+
+__all__ = ["BudgetResult", "InfeasibleBudgetError", "budget_error", "fit_budget", "repair",
+           "within_budget"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetResult:
+  """One attempt at fitting the budget.
+
+  Attributes:
+    assignment: class -> domain index: a plan that fits, or else the leanest reached
+      (None: the solver found no plan at all).
+    fits: whether `assignment` meets the budget.
+    weight: the Lagrange weight on memory that produced it (0: none used).
+    used_bytes: per-device bytes of `assignment` as the budget counts them.
+    largest_live: the biggest intermediates at its peak, as text (set when it does not fit).
+    status: the solver's status for `assignment` ("optimal", "time_limit", ...).
+  """
+
+  assignment: Mapping[int, int] | None
+  fits: bool
+  weight: float = 0.0
+  used_bytes: float = math.inf
+  largest_live: str = ""
+  status: str = "optimal"
+
+
+class InfeasibleBudgetError(ValueError):
+  """No plan fits the memory budget.
+
+  Attributes:
+    budget_bytes: the per-device budget asked for.
+    leanest_bytes: the least per-device memory any plan the search reached takes
+      (inf when none was reached).
+  """
+
+  def __init__(self, message: str, budget_bytes: float = math.nan,
+               leanest_bytes: float = math.inf):
+    super().__init__(message)
+    self.budget_bytes = budget_bytes
+    self.leanest_bytes = leanest_bytes
+
+
+# The activation peak moves with the plan: the budget is re-posed at the new peak this
+# many times before the search gives up.
+BUDGET_ROUNDS = 6
+
+
+def within_budget(problem: Problem, acts: Activations, initial: BudgetResult,
+                  memory: list[Table], budget: float,
+                  solve_within: Callable[[list[Table]], BudgetResult]) -> BudgetResult:
+  """A plan whose inputs plus live intermediates at their peak fit the budget.
+
+  The peak's live set depends on the plan, so the constraint is posed on the values
+  live at the current plan's peak, solved (`solve_within(tables)`), and re-posed at
+  the new plan's peak until the plan fits.
+
+  Args:
+    initial: the unconstrained plan to start from.
+    solve_within: memory tables -> the best plan within the budget on them.
+
+  Returns:
+    The plan that fits (`fits=True`), or else the leanest plan seen.
+  """
+  current, leanest = initial, None
+  for _ in range(BUDGET_ROUNDS):
+    used, at, choice = memory_used(problem, acts, memory, current.assignment)
+    if leanest is None or used < leanest[0]:
+      leanest = (used, current, choice)
+    if used <= budget:
+      return dataclasses.replace(current, fits=True, used_bytes=used)
+    step = solve_within(memory + activation_tables(problem, acts, at))
+    if step.assignment is None:
+      break
+    if not step.fits:  # the leanest plan the bisection reached
+      used, _, choice = memory_used(problem, acts, memory, step.assignment)
+      if used < leanest[0]:
+        leanest = (used, step, choice)
+      break
+    current = step
+  used, result, choice = leanest
+  return dataclasses.replace(result, fits=False, used_bytes=used,
+                             largest_live=largest_live(problem, acts, choice))
+
+
+def repair(problem: Problem, acts: Activations, assignment, tables, memory, budget,
+           sizes, rounds: int = 4) -> dict[int, int]:
+  """Greedy single-class moves that make a budgeted plan faster and keep it in budget.
+
+  A Lagrange weight can leave a duality gap (a plan the weight does not reach may be
+  faster and still fit); this closes some of it cheaply.
+  """
+  touching: dict[int, list[Table]] = {}
+  for t in tables:
+    for c in t.scope:
+      touching.setdefault(c, []).append(t)
+
+  def local(c, k):
+    total = 0.0
+    for t in touching.get(c, ()):
+      idx = tuple(k if u == c else assignment.get(u, 0) for u in t.scope)
+      total += float(t.value[idx])
+    return total
+
+  assignment = dict(assignment)
+  for _ in range(rounds):
+    moved = False
+    for c, n in sizes.items():
+      costs = [local(c, k) for k in range(n)]
+      now = costs[assignment.get(c, 0)]
+      for k in sorted(range(n), key=costs.__getitem__):
+        if costs[k] >= now - 1e-12 * max(1.0, abs(now)):
+          break
+        trial = {**assignment, c: k}
+        if memory_used(problem, acts, memory, trial)[0] <= budget:
+          assignment, moved = trial, True
+          break
+    if not moved:
+      break
+  return assignment
+
+
+def fit_budget(run: Callable[[float], Mapping[int, int]], memory: list[Table],
+               budget: float) -> BudgetResult:
+  """Bisection on the Lagrange weight of the memory tables until the plan fits them.
+
+  Args:
+    run: Lagrange weight -> the plan minimising time + weight * memory.
+
+  Returns:
+    The fastest plan found that fits, with its weight; or, when no weight makes a plan
+    fit, the leanest one reached (`fits=False`).
+  """
+  lo, hi = 0.0, 1e-12
+  best = None
+  for _ in range(60):
+    assignment = run(hi)
+    used = evaluate_tables(memory, assignment)[0]
+    if used <= budget:
+      best = BudgetResult(assignment, fits=True, weight=hi, used_bytes=used)
+      break
+    hi *= 10
+  if best is None:
+    return BudgetResult(assignment, fits=False, weight=hi, used_bytes=used)
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    assignment = run(mid)
+    used = evaluate_tables(memory, assignment)[0]
+    if used <= budget:
+      hi, best = mid, BudgetResult(assignment, fits=True, weight=mid, used_bytes=used)
+    else:
+      lo = mid
+  return best
+
+
+def budget_error(problem: Problem, budget: float, reached: float,
+                 live: str = "") -> InfeasibleBudgetError:
+  """The smallest per-device memory reached, the floor of the inputs alone, and the
+  tensors that dominate it."""
+  rows = []
+  for i in problem.graph.inputs:
+    # The most any layout can split this tensor: per dim the widest option its class
+    # allows, each mesh axis once. Ignores op conflicts, so it is a lower bound.
+    t, used, shards = problem.graph.types[i.value], set(), 1
+    for d in range(len(t.shape)):
+      options = [o for o in problem.domains[problem.vclass(i.value, d)]
+                 if not used & set(o)]
+      best = max(options, key=lambda o: math.prod(problem.mesh.size(a) for a in o))
+      used.update(best)
+      shards *= math.prod(problem.mesh.size(a) for a in best)
+    rows.append((t.nbytes / shards, i.path, t))
+  rows.sort(reverse=True)
+  floor = sum(r[0] for r in rows)
+  top = ", ".join(f"{p} {t} ({b / 2**20:.1f} MiB)" for b, p, t in rows[:5])
+  return InfeasibleBudgetError(
+      f"search: memory_budget={budget / 2**30:.3f} GiB per device cannot be met on mesh "
+      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: "
+      + (f"the leanest plan found takes {reached / 2**30:.3f} GiB (inputs and the "
+         "intermediates live at the activation peak); " if math.isfinite(reached) else "")
+      + "even splitting "
+      f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
+      f"inputs per device. Largest inputs per device: {top}."
+      + (f" Largest intermediates at the peak: {live}." if live else "")
+      + " Raise the budget, use a bigger mesh, let the batch split over more mesh axes "
+      "(batch_axes=None), rematerialise (jax.checkpoint), or use a smaller batch or "
+      "model.", budget_bytes=budget, leanest_bytes=reached)

@@ -1,0 +1,382 @@
+"""The search problem: dimension classes, their domains, and each op's rule.
+
+Every op's sharding rule (`rules.py`) names its dimensions as factors. Factors joined
+through a value (a producer's output dim is a consumer's input dim) are one *dimension
+class*, the automatic counterpart of flax's logical axes: the residual width of every
+layer, the batch, one layer's heads, another layer's MLP hidden. A plan gives each
+class a set of mesh axes (its domain: subsets of axes whose sizes divide it; the batch
+class only takes `batch_axes`). Two classes may share an axis (Megatron puts heads and
+MLP hidden both on `model`) unless one op or tensor holds both.
+
+The state update (an optimizer's pointwise ops from parameters, moments and gradients
+to the next step's state; `update_ops`) gets classes of its own: parameters are
+*stored* in the update's layout and *used* in the compute's, gradients are *made* in
+the compute's and *delivered* in the update's. The two meet at cuts costed like any
+edge, once per step, so the search can store state split over `data` while computing
+tensor parallel on `model` (ZeRO: gradients reduce-scattered, parameters gathered).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import cost, trace
+  >>> from tapas_jax.solver import problem
+  >>> graph = trace.trace(lambda w, x: jnp.sum(x @ w),
+  ...                     jax.ShapeDtypeStruct((64, 32), jnp.float32),
+  ...                     jax.ShapeDtypeStruct((128, 64), jnp.float32))
+  >>> mesh = cost.mesh_spec({"data": 8}, "h100")
+  >>> p = problem.build_problem(graph, mesh, cost.get_profile("h100"), None)
+  >>> sorted(c.size for c in p.classes if c.splittable)
+  [32, 64, 128]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Mapping, Sequence
+
+from tapas_jax import cost as costlib
+from tapas_jax import rules as ruleslib
+from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan_bodies
+from tapas_jax.trace import Graph, Op
+
+__all__ = ["DEFAULT_BATCH_AXIS_NAMES", "DimClass", "Problem", "build_problem",
+           "default_batch_axes", "update_ops"]
+
+DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
+
+
+@dataclasses.dataclass(frozen=True)
+class DimClass:
+  """One dimension class: tensor dims that must be split alike.
+
+  Attributes:
+    index: class id.
+    size: the largest split any member allows: the gcd of its members' sizes (a
+      reshape's merged dim (H*D) joins the class of its major part (H)).
+    batch: holds dim 0 of a batch argument.
+    splittable: False when one op or tensor holds it twice.
+    example: a readable member, e.g. "params/Block_0/MLP/fc1/kernel[1]".
+  """
+
+  index: int
+  size: int
+  batch: bool
+  splittable: bool
+  example: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The search problem over dimension classes.
+
+  Attributes:
+    graph: the traced program.
+    mesh: mesh axes, sizes and links.
+    profile: device profile.
+    classes: every dimension class.
+    domains: per class, the allowed tuples of mesh axes (major to minor).
+    value_class: (value id, dim) -> class id, for every top-level value dim.
+    rules: op index -> its sharding rule (top-level ops).
+    state_pairs: (output value, input value, count) of state carried to the next step.
+    batch_args: positional arguments whose leaves' dim 0 is the batch.
+    view: the ops searched and what they stand for.
+    factor_class: op index -> class of each factor of its rule (-1: on no value dim).
+    reader_dims: (value, read by the update?) -> class per dim, for values the state
+      update and the compute see apart (parameters, gradients); absent: `vclass`.
+    update_ops: the ops of the state update (see `update_ops`).
+  """
+
+  graph: Graph
+  mesh: costlib.MeshSpec
+  profile: costlib.DeviceProfile
+  classes: tuple[DimClass, ...]
+  domains: tuple[tuple[tuple[str, ...], ...], ...]
+  value_class: Mapping[tuple[int, int], int]
+  rules: Mapping[int, ruleslib.OpRule]
+  state_pairs: tuple[tuple[int, int, int], ...]
+  batch_args: tuple[int, ...]
+  view: View
+  factor_class: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+  reader_dims: Mapping[tuple[int, bool], tuple[int, ...]] = dataclasses.field(
+      default_factory=dict)
+  update_ops: frozenset[int] = frozenset()
+
+  def cv(self, v: int) -> int:
+    """The value standing for v in the view."""
+    return self.view.canon.get(v, v)
+
+  def vclass(self, v: int, d: int) -> int:
+    return self.value_class[(self.cv(v), d)]
+
+  def read_class(self, v: int, d: int, in_update: bool = False) -> int:
+    """Class of dim d of value v as the compute (or the update) reads it."""
+    dims = self.reader_dims.get((self.cv(v), in_update))
+    return dims[d] if dims is not None else self.vclass(v, d)
+
+  def stored_apart(self, v: int) -> bool:
+    """Whether input v's storage classes are its own, not its compute's: the update
+    reads it and the compute, if it reads it at all, reads it through a cut."""
+    v = self.cv(v)
+    if (v, False) in self.reader_dims:
+      return True
+    users = self.graph.consumers.get(v, ())
+    return bool(users) and all(u in self.update_ops for u in users)
+
+  def layout(self, value: int, choice: Mapping[int, tuple[str, ...]]) -> costlib.Layout:
+    """Layout of a graph input under a class choice."""
+    rank = len(self.graph.types[value].shape)
+    return costlib.Layout(tuple(choice.get(self.vclass(value, d), ()) for d in range(rank)))
+
+
+# -- building the problem ----------------------------------------------------------
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: list[int] = []
+
+  def add(self) -> int:
+    self.parent.append(len(self.parent))
+    return len(self.parent) - 1
+
+  def find(self, x: int) -> int:
+    root = x
+    while self.parent[root] != root:
+      root = self.parent[root]
+    while self.parent[x] != root:
+      self.parent[x], x = root, self.parent[x]
+    return root
+
+  def union(self, a: int, b: int) -> None:
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
+  return tuple(a for a in mesh.axis_names if a in DEFAULT_BATCH_AXIS_NAMES)
+
+
+def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int, int], ...]:
+  """(output, input, count) of state carried to the next step, in the view's values."""
+  counts: dict[tuple[int, int], int] = {}
+  for k, j in graph.carried:
+    v, src = graph.outputs[k], graph.inputs[j].value
+    key = (canon.get(v, v), canon.get(src, src))
+    counts[key] = counts.get(key, 0) + 1
+  return tuple((o, i, n) for (o, i), n in counts.items())
+
+
+def _pointwise(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
+  """Every tensor operand and result has one shape and the same factor on each dim."""
+  if rule.reduce or not op.outputs or op.subregions:
+    return False
+  shape = graph.types[op.outputs[0]].shape
+  if not shape or any(graph.types[v].shape != shape for v in op.outputs):
+    return False
+  dims = rule.outputs[0]
+  if None in dims or any(d != dims for d in rule.outputs):
+    return False
+  for v, d in zip(op.inputs, rule.inputs):
+    if v in graph.literals or not graph.types[v].shape:
+      continue
+    if graph.types[v].shape != shape or d != dims:
+      return False
+  return True
+
+
+def update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.OpRule]
+                ) -> frozenset[int]:
+  """The state update: pointwise ops whose results feed only each other and state outputs.
+
+  An optimizer's update (Adam's moments, weight decay, `params - lr * u`) is such a
+  region in any train step, found without names. The search gives it dimension classes
+  of its own, so parameters and optimizer state can be stored split over an axis their
+  compute does not use (ZeRO): gradients arrive by reduce-scatter, parameters are
+  gathered for use.
+  """
+  outputs = set(graph.outputs)
+  state = {graph.outputs[k] for k, _ in graph.carried}
+  region: set[int] = set()
+  for op in reversed(top):  # consumers come after producers: decided first
+    if not _pointwise(graph, op, rules[op.index]):
+      continue
+    if all((v in state or (v not in outputs and graph.consumers.get(v)))
+           and all(c in region for c in graph.consumers.get(v, ())) for v in op.outputs):
+      region.add(op.index)
+  # The update starts at the state: an op reading neither an input nor the update (the
+  # sum of a tied weight's two gradients) stays with the compute, where partial sums
+  # add up before one reduction.
+  inputs, kept = set(graph.input_path), set()
+  for op in top:
+    if op.index in region and any(v in inputs or graph.producer.get(v) in kept
+                                  for v in op.inputs):
+      kept.add(op.index)
+  return frozenset(kept)
+
+
+def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
+                  batch_axes: Sequence[str] | None,
+                  batch_args: Sequence[int] | None = None, view: View | None = None) -> Problem:
+  """Dimension classes, their domains and the op rules of a traced program.
+
+  Args:
+    view: the ops to search (`folded_view` or `unfolded_view`); default unfolded.
+  """
+  view = with_scan_bodies(graph, view or unfolded_view(graph))
+  canon = view.canon
+  cv = lambda v: canon.get(v, v)  # noqa: E731
+  top = [graph.ops[i] for i in view.ops if i not in view.loops]
+  by_signature: dict[str, ruleslib.OpRule] = {}  # a rule depends on the signature alone
+  rules = {}
+  for op in top:
+    if op.signature not in by_signature:
+      by_signature[op.signature] = ruleslib.rule_for(graph, op)
+    rules[op.index] = by_signature[op.signature]
+  update = update_ops(graph, top, rules)
+  readers: dict[int, set[bool]] = {}  # value -> read by update ops (True), others (False)
+  for op in top:
+    for v in op.inputs:
+      if v not in graph.literals:
+        readers.setdefault(cv(v), set()).add(op.index in update)
+  # Values the update region and the compute see in layouts of their own: parameters
+  # (stored as the update has them, used as the compute wants) and gradients (made as
+  # the compute has them, delivered as the update wants).
+  producer = {cv(v): op.index for op in top for v in op.outputs}
+  cut_use = {v for v, r in readers.items() if r == {True, False} and v not in producer}
+  cut_update = {v for v, r in readers.items() if True in r and v in producer
+                and producer[v] not in update}
+  uf = _UnionFind()
+  node: dict[tuple[int, int], int] = {}
+  side: dict[tuple[int, int, bool], int] = {}
+
+  def vnode(v: int, d: int) -> int:
+    key = (v, d)
+    if key not in node:
+      node[key] = uf.add()
+    return node[key]
+
+  def read_node(v: int, d: int, in_update: bool) -> int:
+    if (v in cut_use and not in_update) or (v in cut_update and in_update):
+      key = (v, d, in_update)
+      if key not in side:
+        side[key] = uf.add()
+      return side[key]
+    return vnode(v, d)
+
+  pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
+  for loop in view.loops:
+    for outer, inner, shift in scan_bindings(graph, graph.ops[loop]):
+      for d in range(len(graph.types[inner].shape)):
+        uf.union(vnode(cv(outer), d + shift), vnode(inner, d))
+      if shift:
+        pinned.add(vnode(cv(outer), 0))
+
+  op_factor_nodes = {}
+  for op in top:
+    rule = rules[op.index]
+    fnodes = [uf.add() for _ in rule.factor_sizes]
+    op_factor_nodes[op.index] = fnodes
+    for k, (v, fs) in enumerate(zip(op.inputs, rule.inputs)):
+      if v in graph.literals:
+        continue
+      for d, f in enumerate(fs):
+        n = read_node(cv(v), d, op.index in update)
+        if f is not None:
+          uf.union(fnodes[f], n)
+    for v, fs in zip(op.outputs, rule.outputs):
+      for d, f in enumerate(fs):
+        n = vnode(cv(v), d)
+        if f is not None:
+          uf.union(fnodes[f], n)
+  for i in graph.inputs:
+    for d in range(len(graph.types[i.value].shape)):
+      vnode(cv(i.value), d)
+
+  all_nodes = list(node.items()) + [((v, d), n) for (v, d, _), n in side.items()]
+  roots = sorted({uf.find(n) for _, n in all_nodes})
+  index = {r: k for k, r in enumerate(roots)}
+  value_class = {key: index[uf.find(n)] for key, n in node.items()}
+  side_class = {key: index[uf.find(n)] for key, n in side.items()}
+  factor_class = {i: tuple(index.get(uf.find(n), -1) for n in fnodes)
+                  for i, fnodes in op_factor_nodes.items()}
+  sizes: dict[int, set[int]] = {}
+  example: dict[int, str] = {}
+  for (v, d), n in all_nodes:
+    sizes.setdefault(index[uf.find(n)], set()).add(graph.types[v].shape[d])
+  for (v, d, _), c in side_class.items():  # where a parameter is used
+    if v in graph.input_path and c not in example:
+      example[c] = f"{graph.input_path[v]}[{d}]"
+  for i in graph.inputs:  # where it is stored
+    for d in range(len(graph.types[i.value].shape)):
+      c = value_class[(cv(i.value), d)]
+      if c not in example:
+        example[c] = f"{i.path}[{d}]" + (" stored" if cv(i.value) in cut_use else "")
+  for op in top:  # classes no input holds: named by an op that makes them
+    for v in op.outputs:
+      for d in range(len(graph.types[v].shape)):
+        c = value_class.get((cv(v), d))
+        if c is not None and c not in example:
+          example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
+  conflicted = {index[uf.find(n)] for n in pinned}
+  for i, cs in factor_class.items():
+    conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
+  for dims in _value_dims(graph, value_class, side_class):
+    conflicted.update(c for c in dims if dims.count(c) > 1)
+
+  if batch_args is None:
+    batch_args = (graph.num_args - 1,) if graph.num_args > 1 else ()
+  batch_classes = {value_class[(cv(i.value), 0)] for i in graph.inputs
+                   if i.arg in batch_args and graph.types[i.value].shape}
+  allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
+  for a in allowed_batch:
+    if a not in mesh.axis_names:
+      raise ValueError(f"batch_axes names {a!r}, which is not a mesh axis "
+                       f"{mesh.axis_names}; pass axes of the mesh or None")
+
+  classes, domains = [], []
+  for c in range(len(roots)):
+    # Members may differ in size where a reshape splits a merged dim by its major
+    # part ((B, S, H*D) -> (B, S, H, D)): a split must divide every member.
+    size = math.gcd(*sizes[c])
+    splittable = size > 1 and c not in conflicted
+    batch = c in batch_classes
+    classes.append(DimClass(index=c, size=size, batch=batch, splittable=splittable,
+                            example=example.get(c, "")))
+    domains.append(_domain(size if splittable else 1, mesh,
+                           allowed_batch if batch else None, batch))
+  reads = {}
+  for (v, d, in_update), c in side_class.items():
+    reads.setdefault((v, in_update), {})[d] = c
+  reader_dims = {key: tuple(dims[d] for d in range(len(dims))) for key, dims in reads.items()}
+  return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
+                 domains=tuple(domains), value_class=value_class, rules=rules,
+                 state_pairs=_state_pairs(graph, canon), batch_args=tuple(batch_args),
+                 view=view, factor_class=factor_class, reader_dims=reader_dims,
+                 update_ops=update)
+
+
+def _value_dims(graph: Graph, value_class, side_class):
+  """Per value (and per cut side), the class of each dim."""
+  by_value: dict[tuple, dict[int, int]] = {}
+  for (v, d), c in value_class.items():
+    by_value.setdefault((v,), {})[d] = c
+  for (v, d, s), c in side_class.items():
+    by_value.setdefault((v, s), {})[d] = c
+  return [list(dims.values()) for dims in by_value.values()]
+
+
+def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,
+            batch: bool) -> tuple[tuple[str, ...], ...]:
+  axes = [a for a in mesh.axis_names if mesh.size(a) > 1]
+  out = [()]
+  if size <= 1:
+    return tuple(out)
+  for r in range(1, len(axes) + 1):
+    for subset in itertools.combinations(axes, r):
+      if batch and allowed is not None and not set(subset) <= set(allowed):
+        continue
+      if size % math.prod(mesh.size(a) for a in subset) == 0:
+        out.append(subset)
+  return tuple(out)

@@ -1,0 +1,293 @@
+"""Per-op cost tables: an op's predicted time as a function of the classes it touches.
+
+Cost = sum over ops of compute (FLOPs / shards / peak) and the collectives on its input
+edges (`cost.reshard` from the producer's layout, partial sums included, to the layout
+the op needs), the cuts between the state update and the compute, plus state carried
+from outputs back to inputs. Each op's cost depends only on the few classes it touches,
+so the objective is a sum of small tables over class variables.
+
+Partial sums (a dot_general or reduction whose contracted dim is split) are reduced
+once, where they are made, into the layout their readers get: XLA's SPMD partitioner
+reduces at the producer and does not carry partial sums through the adds, transposes
+and scalings after it (measured: `scripts/bench_compiled.py`, Megatron's backward
+reduces dx of q, k and v one by one), so the model does not either.
+
+With `reuse=True` (folding) structurally equal ops share one table build: the ops of
+every instance of one unique layer cost the same, so a table is built once per unique
+layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tapas_jax import cost as costlib
+from tapas_jax.solver.problem import Problem
+from tapas_jax.trace import Op
+
+__all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
+
+
+# -- op cost tables ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """One term of an objective, over the domains of a few classes.
+
+  Attributes:
+    scope: class ids; the table has one axis per class, indexed by domain entry.
+    value: the term: seconds in a cost table, per-device bytes in a memory table.
+    comm: bytes sent per device (cost tables; zero in memory tables).
+  """
+
+  scope: tuple[int, ...]
+  value: np.ndarray
+  comm: np.ndarray
+
+
+class TableBuilder:
+  """Builds per-op cost tables; with `reuse`, structurally equal ops share one build."""
+
+  def __init__(self, problem: Problem, reuse: bool,
+               input_layouts: Mapping[int, costlib.Layout] | None = None):
+    self.p = problem
+    self.reuse = reuse
+    self.fixed = dict(input_layouts or {})
+    self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    self._partial: dict[int, tuple[int, ...]] = {}
+    self.built = 0
+    g = problem.graph
+    self.ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
+    self.producer = {v: op.index for op in self.ops for v in op.outputs}
+    self.users: dict[int, list[int]] = {}
+    for op in self.ops:
+      for v in op.inputs:
+        self.users.setdefault(problem.cv(v), []).append(op.index)
+
+  def _src(self, v: int):
+    """(per-dim class or None, partial classes) of a value as it arrives."""
+    p, g = self.p, self.p.graph
+    v = p.cv(v)
+    if v in self.producer:
+      op = g.ops[self.producer[v]]
+      rule = p.rules[op.index]
+      slot = op.outputs.index(v)
+      dims = tuple(None if f is None else p.value_class[(v, d)]
+                   for d, f in enumerate(rule.outputs[slot]))
+      return dims, self.partial_expr(v)
+    rank = len(g.types[v].shape)
+    return tuple(p.value_class.get((v, d)) for d in range(rank)), None
+
+  def partial_expr(self, v: int):
+    """("r", classes): value v holds partial sums over those classes' mesh axes (its
+    producer reduced over them); None: never partial."""
+    v = self.p.cv(v)
+    if v in self._partial:
+      return self._partial[v]
+    expr = None
+    if v in self.producer:
+      op = self.p.graph.ops[self.producer[v]]
+      rule = self.p.rules[op.index]
+      classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
+                              and self.p.classes[c].splittable}))
+      expr = ("r", classes) if classes else None
+    self._partial[v] = expr
+    return expr
+
+  def _factor_class(self, op: Op, f: int) -> int:
+    return self.p.factor_class[op.index][f]
+
+  def factor_classes(self, op: Op) -> list[int]:
+    """Class of each factor of op (-1: no value dim carries it; never split)."""
+    return list(self.p.factor_class[op.index])
+
+  def op_tables(self, op: Op) -> list[Table | None]:
+    """The op's cost as tables. An op with no factors (replicated: an unknown
+    primitive, a loop kept whole) couples nothing, so each input edge gets a table of
+    its own: one joint table over every operand's classes would grow without bound.
+    """
+    if self.p.rules[op.index].factor_sizes:
+      return [self.op_table(op)]
+    return [self.op_table(op, only=k) for k in range(len(op.inputs))]
+
+  def op_table(self, op: Op, only: int | None = None) -> Table | None:
+    p, g = self.p, self.p.graph
+    rule = p.rules[op.index]
+    fclass = self.factor_classes(op)
+    edges = []
+    for k, v in enumerate(op.inputs):
+      if v in g.literals or not g.types[v].shape or only not in (None, k):
+        continue
+      # Partial sums arrive reduced: by `resolve_table`, or by `cut_table` in the
+      # reader's layout.
+      src_dims = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
+      if src_dims is None:
+        src_dims = self.fixed.get(v, self._src(v)[0])
+      dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
+      edges.append((g.types[v], src_dims, None, dst_dims))
+    flops = rule.flops if only in (None, 0) else 0.0
+    return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
+                       if op.outputs else None, edges)
+
+  def resolve_table(self, v: int) -> Table | None:
+    """The one reduction of a partial value, in its producer's layout.
+
+    Charged once per value, however many users read it, as XLA reduces it once. A
+    value only the state update reads is reduced by its `cut_table` instead.
+    """
+    g = self.p.graph
+    expr = self.partial_expr(v)
+    if expr is None:
+      return None
+    users = [c for c in self.users.get(v, ()) if c not in self.p.update_ops]
+    if not users and v not in set(g.outputs):
+      return None
+    dims, _ = self._src(v)
+    return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims)])
+
+  def carry_table(self, out: int, inp: int) -> Table | None:
+    src_dims, _ = self._src(out)
+    partial = None  # outputs are reduced by `resolve_table`
+    rank = len(self.p.graph.types[inp].shape)
+    dst = self.fixed.get(inp) or tuple(self.p.vclass(inp, d) for d in range(rank))
+    return self._table(("carry",), [], 0.0, None,
+                       [(self.p.graph.types[inp], src_dims, partial, dst)])
+
+  def cut_table(self, v: int, in_update: bool) -> Table | None:
+    """Bringing a value seen apart by the update and the compute into the reader's
+    layout, once per step: a parameter gathered for use (ZeRO-3's all-gather), a
+    gradient reduced into the update's layout (an all-reduce, or a reduce-scatter
+    when the update is split further)."""
+    src_dims, _ = self._src(v)
+    src_dims = self.fixed.get(v, src_dims)
+    partial = self.partial_expr(v) if in_update else None
+    dst = self.p.reader_dims[(v, in_update)]
+    return self._table(("cut",), [], 0.0, None,
+                       [(self.p.graph.types[v], src_dims, partial, dst)])
+
+  def _table(self, kind, fclass, flops, out_type, edges) -> Table | None:
+    scope: list[int] = []
+
+    def pos(c):
+      if c is None or c < 0 or not self.p.classes[c].splittable:
+        return None
+      if c not in scope:
+        scope.append(c)
+      return scope.index(c)
+
+    def place(dims):  # class ids -> scope positions; a fixed Layout stays as it is
+      return dims if isinstance(dims, costlib.Layout) else tuple(pos(c) for c in dims)
+
+    fpos = [pos(c) for c in fclass]
+    def expr_pos(e):
+      return None if e is None else ("r", tuple(pos(c) for c in e[1]))
+
+    epos = [(t, place(src), expr_pos(partial), place(dst)) for t, src, partial, dst in edges]
+    if not scope and not flops:
+      return None
+    domains = tuple(self.p.domains[c] for c in scope)
+    key = (kind, tuple(fpos), tuple(epos), domains, flops, out_type)
+    cached = self.cache.get(key) if self.reuse else None
+    if cached is None:
+      cached = self._compute(fpos, flops, out_type, epos, domains)
+      self.built += 1
+      if self.reuse:
+        self.cache[key] = cached
+    return Table(tuple(scope), *cached)
+
+  def _compute(self, fpos, flops, out_type, epos, domains):
+    p = self.p
+    shape = tuple(len(d) for d in domains)
+    t = np.zeros(shape)
+    b = np.zeros(shape)
+    dtype = out_type.dtype if out_type is not None else "float32"
+    split = sorted({q for q in fpos if q is not None})
+    for idx in itertools.product(*(range(n) for n in shape)):
+      axes = tuple(domains[k][i] for k, i in enumerate(idx))
+      used = [a for k in split for a in axes[k]]
+      if len(used) != len(set(used)):
+        t[idx] = np.inf  # one op split twice over one mesh axis
+        continue
+      shards = math.prod(p.mesh.size(a) for a in used)
+      total = costlib.compute_time(flops / shards, p.profile, dtype) if flops else 0.0
+      sent = 0.0
+      for ttype, src, partial, dst in epos:
+        src_d = src.dims if isinstance(src, costlib.Layout) else mesh_dims(src, axes)
+        dst_d = dst.dims if isinstance(dst, costlib.Layout) else mesh_dims(dst, axes)
+        edge = _edge_cost(ttype.shape, ttype.itemsize, src_d, _eval_partial(partial, axes),
+                          dst_d, p.mesh, p.profile)
+        if edge is None:
+          total = np.inf
+          break
+        total += edge[0]
+        sent += edge[1]
+      t[idx], b[idx] = total, sent
+    return t, b
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _edge_cost(shape, itemsize, src_dims, part, dst_dims, mesh, profile):
+  """(seconds, bytes sent) to bring a value from src to dst; None if impossible.
+
+  `part`: axes the value is partial over as it arrives; they are reduced on the way.
+  """
+  src_axes = {a for d in src_dims for a in d}
+  part = tuple(a for a in part if a not in src_axes)
+  try:
+    src_l = costlib.Layout(src_dims, partial=part)
+    dst_l = costlib.Layout(dst_dims)
+    steps = costlib.reshard(shape, itemsize, src_l, dst_l, mesh, profile)
+  except ValueError:
+    return None
+  return sum(c.time_s for c in steps), sum(c.bytes_sent_per_device for c in steps)
+
+
+def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+  """The mesh axes a partial expression (scope positions) holds under a choice."""
+  if expr is None:
+    return ()
+  return tuple(sorted({a for q in expr[1] if q is not None for a in axes[q]}))
+
+
+def mesh_dims(positions: Sequence[int | None],
+          axes: Sequence[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+  """Per-dim mesh axes of a value whose dims sit at these scope positions; an axis
+  splits only the first dim that asks for it."""
+  dims, seen = [], set()
+  for q in positions:
+    entry = tuple(a for a in axes[q] if a not in seen) if q is not None else ()
+    seen.update(entry)
+    dims.append(entry)
+  return tuple(dims)
+
+
+def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
+  """Cost tables of every op, every partial value's reduction and every state carry."""
+  weighted = []
+  for op in builder.ops:
+    w = problem.view.weight.get(op.index, 1)
+    weighted += [(t, w) for t in builder.op_tables(op)]
+    weighted += [(builder.resolve_table(v), w) for v in op.outputs]
+  weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
+  for v, in_update in problem.reader_dims:
+    readers = [i for i in builder.users.get(v, ()) if (i in problem.update_ops) == in_update]
+    w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
+    weighted.append((builder.cut_table(v, in_update), w))
+  return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
+          for t, w in weighted if t is not None]
+
+
+def evaluate_tables(tables: Iterable[Table], choice_idx: Mapping[int, int]) -> tuple[float, float]:
+  t = b = 0.0
+  for table in tables:
+    idx = tuple(choice_idx.get(c, 0) for c in table.scope)
+    t += float(table.value[idx])
+    b += float(table.comm[idx])
+  return t, b

@@ -1,0 +1,142 @@
+"""The part of a program the solver looks at: folded (one copy per unique layer) or not.
+
+A `View` lists the top-level ops searched and what each stands for. Folded, the
+interior copies of a unique layer map onto one representative copy, so the search's
+size stays flat in depth; the bodies of counted loops (scans) are searched in place,
+each op standing for trip-count executions.
+
+Example:
+  >>> from tapas_jax import models, fold, trace
+  >>> from tapas_jax.solver import views
+  >>> m = models.get_model("gpt", "tiny", num_layers=6)
+  >>> graph = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+  >>> view = views.folded_view(fold.fold(graph))
+  >>> len(view.ops) < len(views.unfolded_view(graph).ops)
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from tapas_jax.fold import Folded
+from tapas_jax.trace import Graph, Op
+
+__all__ = ["View", "folded_view", "scan_bindings", "scan_region", "unfolded_view",
+           "with_scan_bodies"]
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+  """The part of the program the search looks at, and what each part stands for.
+
+  Folded: the glue plus one representative instance per unique layer; every other
+  instance's values and ops map onto the representative's (same position in the
+  instance, which fingerprints guarantee is the same computation). Unfolded: all ops.
+
+  Attributes:
+    ops: top-level op indices searched.
+    canon: value -> the value standing for it (absent: itself).
+    weight: op index -> how many ops it stands for (absent: 1).
+    op_canon: op index -> the op standing for it (absent: itself).
+    loops: scan ops whose bodies are searched in their place (the body's ops are in
+      `ops`, each standing for trip-count executions).
+  """
+
+  ops: tuple[int, ...]
+  canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  weight: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  loops: frozenset[int] = frozenset()
+
+
+def scan_region(graph: Graph, op: Op):
+  """The body region of a counted loop whose operands bind 1:1 to its body, else None."""
+  for r in op.subregions:
+    region = graph.regions[r]
+    if (region.trip_count and len(region.inputs) == len(op.inputs)
+        and len(region.outputs) == len(op.outputs)):
+      return region
+  return None
+
+
+def scan_bindings(graph: Graph, op: Op):
+  """(outer value, body value, dim shift) pairs tying a scan to its body.
+
+  Told apart by shape, which every jax release keeps (the params naming consts and
+  carries changed in jax 0.11): an operand shaped like its body value is a const or
+  carry (shift 0); one with the trip count in front is scanned (shift 1). Anything
+  else is left unbound. Where the params still say which operands are carries, the
+  body's carry out is also tied to its carry in.
+  """
+  region = scan_region(graph, op)
+  for outers, inners in ((op.inputs, region.inputs), (op.outputs, region.outputs)):
+    for outer, inner in zip(outers, inners):
+      if outer in graph.literals or inner in graph.literals:
+        continue
+      shape, body = graph.types[outer].shape, graph.types[inner].shape
+      if shape == body:
+        yield outer, inner, 0
+      elif shape == (region.trip_count,) + body:
+        yield outer, inner, 1
+  consts, carry = op.raw_params.get("num_consts"), op.raw_params.get("num_carry")
+  if consts is not None and carry is not None:
+    for inner_in, inner_out in zip(region.inputs[consts:consts + carry],
+                                   region.outputs[:carry]):
+      if inner_out not in graph.literals:
+        yield inner_in, inner_out, 0
+
+
+def with_scan_bodies(graph: Graph, view: View) -> View:
+  """Adds the bodies of scans to the view, each op standing for trip-count executions."""
+  ops, weight, loops = list(view.ops), dict(view.weight), set()
+  for i in view.ops:
+    region = scan_region(graph, graph.ops[i])
+    if region is None:
+      continue
+    loops.add(i)
+    body = [op.index for op in graph.ops if op.region == region.index]
+    ops += body
+    for b in body:
+      weight[b] = region.trip_count * view.weight.get(i, 1)
+  return dataclasses.replace(view, ops=tuple(ops), weight=weight, loops=frozenset(loops))
+
+
+def unfolded_view(graph: Graph) -> View:
+  return View(ops=tuple(op.index for op in graph.region_ops(0)))
+
+
+def folded_view(folded: Folded) -> View:
+  """Glue, each unique layer's first and last instance, and its middle instance
+  standing for all the interior copies.
+
+  The first and last copies are kept as themselves because their neighbours differ
+  (glue on one side): their edges cost differently. The interior copies all look the
+  same, so one of them is searched for all, and the search's size stays flat in depth.
+  """
+  g = folded.graph
+  canon, weight, op_canon = {}, {}, {}
+  ops = {i for seg in folded.glue for i in seg.ops}
+  for u in folded.unique_layers:
+    members = [folded.instances[k] for k in u.instances]
+    ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))
+               for i in inst.ops)
+    if len(members) <= 3:
+      continue
+    interior = members[1:-1]
+    rep = interior[len(interior) // 2]
+    ops.update(rep.ops)
+    for i in rep.ops:
+      weight[i] = len(interior)
+    for inst in interior:
+      if inst.index == rep.index:
+        continue
+      for a, b in zip(inst.ops, rep.ops):
+        op_a, op_b = g.ops[a], g.ops[b]
+        op_canon[a] = b
+        canon.update(zip(op_a.outputs, op_b.outputs))
+        for va, vb in zip(op_a.inputs, op_b.inputs):
+          if va in g.input_path and vb in g.input_path:
+            canon[va] = vb  # this copy's parameter is laid out like the representative's
+  return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon)

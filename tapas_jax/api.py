@@ -64,7 +64,7 @@ def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
   """Traces and folds `fn(*args)` and builds its problem on `mesh`.
 
   Args:
-    batch_axes: as for `search`; "default": the axes named data, batch, fsdp, replica.
+    batch_axes: as for `search`.
     fold: search the folded view (one copy per unique layer) or every op.
   """
   profile = costlib.get_profile(device or default_device())
@@ -97,8 +97,10 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
       activation peak, as `plan.stats.predicted_memory_bytes` reports; None:
       unlimited. Tight budgets store parameters and optimizer state split over axes
       their compute does not use (ZeRO) before they split the compute itself.
-    batch_axes: mesh axes that may split the batch (dim 0 of the last argument);
-      default: the axes named data, batch, fsdp or replica; None: any axis.
+    batch_axes: mesh axes that may split the batch; default: every axis whose name
+      does not say it carries the model (model, tp, expert, seq, pipe, ...: see
+      `solver.problem.MODEL_AXIS_NAMES`); None: any axis. The batch is found by
+      dataflow: dim 0 of every input that is not state carried to the next step.
     fold: search each unique layer once (True: the folded view, and each cost table
       built once per unique layer) or every op on its own (False).
     solver: "elimination" (exact variable elimination) or "ilp" (one integer program
@@ -130,6 +132,7 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
                      links=links)
   start = time.perf_counter()
   solverlib.warn_unsplittable(prepared.problem)
+  solverlib.warn_batch_unsplit(prepared.problem)
   solution = solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
                              memory_budget=memory_budget, time_limit=time_limit)
   search_s = prepared.prepare_s + time.perf_counter() - start

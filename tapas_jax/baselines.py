@@ -72,7 +72,7 @@ def _fsdp(problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costlib.Layout
   n = math.prod(problem.mesh.size(a) for a in axes)
   for i in problem.graph.inputs:
     shape = problem.graph.types[i.value].shape
-    if i.arg in problem.batch_args or not shape:
+    if i.value in problem.batch_inputs or not shape:
       continue
     dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
     if not dims:
@@ -110,7 +110,8 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     mesh: Mesh, abstract mesh or dict of axis sizes.
     device: device profile name.
     family: zoo family name (needed by "megatron").
-    batch_axes: axes Megatron puts the batch on (default: data/batch/fsdp/replica);
+    batch_axes: axes Megatron puts the batch on (default: the axes whose names do not
+      say they carry the model, `solver.problem.MODEL_AXIS_NAMES`);
       data parallel and FSDP always use every axis.
     links: mesh axis -> "intra"/"inter".
 

@@ -57,7 +57,8 @@ def aval_of(atom: Any) -> tuple[tuple[int, ...], str]:
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return (), type(aval).__name__
-  return tuple(int(d) for d in shape), np.dtype(dtype).name if _is_numpy_dtype(dtype) else str(dtype)
+  name = np.dtype(dtype).name if _is_numpy_dtype(dtype) else str(dtype)
+  return tuple(int(d) for d in shape), name
 
 
 def _is_numpy_dtype(dtype: Any) -> bool:

@@ -314,19 +314,19 @@ def _dot_general(params, ins, outs) -> OpRule:
   lhs_dims: list[int | None] = [None] * len(lhs)
   rhs_dims: list[int | None] = [None] * len(rhs)
   out_dims: list[int | None] = []
-  for l, r in zip(lb, rb):
-    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
-    out_dims.append(lhs_dims[l])
+  for ld, rd in zip(lb, rb):
+    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+    out_dims.append(lhs_dims[ld])
   for shape, dims, skip in ((lhs, lhs_dims, {*lc, *lb}), (rhs, rhs_dims, {*rc, *rb})):
     for d, size in enumerate(shape):
       if d not in skip:
         dims[d] = f.new(size)
         out_dims.append(dims[d])
   contracting = []
-  for l, r in zip(lc, rc):
-    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
-    contracting.append(lhs_dims[l])
-  flops = 2 * _size(outs[0]) * math.prod(lhs[l] for l in lc)
+  for ld, rd in zip(lc, rc):
+    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+    contracting.append(lhs_dims[ld])
+  flops = 2 * _size(outs[0]) * math.prod(lhs[ld] for ld in lc)
   return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
 
 

@@ -461,7 +461,7 @@ def check_sharded(fn, args, graph, op, assignment, mesh, local_fn=None):
   rule = rule_for(graph, op)
   ins, outs = production_layouts(graph, op, assignment, dict(mesh.shape))
   expected = fn(*args)
-  in_shardings = tuple(NamedSharding(mesh, _spec(l)) for l in ins)
+  in_shardings = tuple(NamedSharding(mesh, _spec(layout)) for layout in ins)
   out_sharding = None if outs[0].partial else NamedSharding(mesh, _spec(outs[0]))
   placed = [jax.device_put(a, s) for a, s in zip(args, in_shardings)]
   got = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_sharding)(*placed)
@@ -474,7 +474,7 @@ def check_sharded(fn, args, graph, op, assignment, mesh, local_fn=None):
     out = local_fn(*local)
     return combine(out, outs[0].partial) if outs[0].partial else out
 
-  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(l) for l in ins),
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(x) for x in ins),
                           out_specs=P(*outs[0].to_partition_spec()))
   np.testing.assert_allclose(jax.jit(sharded)(*args), expected, rtol=1e-5, atol=1e-5)
 

@@ -240,7 +240,8 @@ def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):
   """The PartitionSpec of a value whose dims are in these classes, as the cost tables
   read it (an axis splits only the first dim that asks for it)."""
   axes = [choice.get(c, ()) if c is not None else () for c in classes]
-  return PartitionSpec(*costlib.Layout(tables.mesh_dims(range(len(axes)), axes)).to_partition_spec())
+  layout = costlib.Layout(tables.mesh_dims(range(len(axes)), axes))
+  return PartitionSpec(*layout.to_partition_spec())
 
 
 def _generic(example: str) -> str:

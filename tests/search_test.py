@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tapas_jax as tapas
@@ -83,7 +84,8 @@ def test_sharded_step_computes_the_same_numbers(name, overrides):
   # Gradients, not Adam-updated parameters: Adam's first step is g/|g| and flips
   # sign on rounding noise where g is ~0.
   loss_fn = m.loss_fn()
-  grad = lambda p, ms, b: jax.grad(lambda q: loss_fn(q, ms, b)[0])(p)
+  def grad(p, ms, b):
+    return jax.grad(lambda q: loss_fn(q, ms, b)[0])(p)
   sharded_g = jax.jit(grad, in_shardings=(shardings[0].params, shardings[0].model_state,
                                           shardings[1]))(
       placed[0].params, placed[0].model_state, placed[1])
@@ -328,7 +330,6 @@ def test_explicit_mesh_is_rejected():
 
 
 def test_unknown_primitive_is_replicated_with_one_warning():
-  from jax.extend.core import Primitive
   mystery = Primitive("tapas_search_mystery")
   mystery.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   mystery.def_impl(lambda x: x)

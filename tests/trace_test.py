@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 
 from tapas_jax import models
 from tapas_jax.trace import Graph, TraceError, trace
@@ -62,7 +63,8 @@ def test_name_stacks_prefix_parent_scope_inside_inlined_calls():
 
 
 def test_call_like_primitives_are_inlined():
-  body = lambda x: jnp.sin(x) * 2.0
+  def body(x):
+    return jnp.sin(x) * 2.0
 
   @jax.custom_vjp
   def cvjp(x):
@@ -108,7 +110,8 @@ def test_loop_bodies_with_different_ops_get_different_signatures():
     return lambda x: jax.lax.scan(lambda c, _: (act(c), None), x, None, length=3)[0]
 
   a, b = trace(f(jnp.tanh), sds(4)), trace(f(jnp.sin), sds(4))
-  sig = lambda g: next(op.signature for op in g.ops if op.primitive == "scan")
+  def sig(g):
+    return next(op.signature for op in g.ops if op.primitive == "scan")
   assert sig(a) != sig(b)
   assert sig(a) == sig(trace(f(jnp.tanh), sds(4)))
 
@@ -119,13 +122,15 @@ def test_loop_bodies_with_different_ops_get_different_signatures():
     (lambda: (sds(4, 8, dtype=jnp.bfloat16), sds(2, 4, dtype=jnp.bfloat16)), False),  # dtype
 ])
 def test_signature_sees_shapes_and_dtypes(change, same):
-  f = lambda w, x: x @ w
+  def f(w, x):
+    return x @ w
   base = trace(f, sds(4, 8), sds(2, 4)).ops[0].signature
   assert (trace(f, *change()).ops[0].signature == base) is same
 
 
 def test_signature_blind_to_values_and_sensitive_to_precision():
-  f = lambda w, x: x @ w
+  def f(w, x):
+    return x @ w
   zeros = trace(f, jnp.zeros((4, 8)), jnp.zeros((2, 4)))
   ones = trace(f, np.ones((4, 8), np.float32), np.ones((2, 4), np.float32))
   assert zeros.ops[0].signature == ones.ops[0].signature
@@ -142,7 +147,6 @@ def test_big_shapes_trace_without_allocating():
 
 
 def test_unknown_primitive_is_kept_as_an_opaque_op():
-  from jax.extend.core import Primitive
   mystery = Primitive("tapas_test_mystery")
   mystery.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   g = trace(lambda x: jnp.sin(mystery.bind(x)), sds(3))

@@ -327,7 +327,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
     rule = rules[op.index]
     fnodes = [uf.add() for _ in rule.factor_sizes]
     op_factor_nodes[op.index] = fnodes
-    for k, (v, fs) in enumerate(zip(op.inputs, rule.inputs)):
+    for v, fs in zip(op.inputs, rule.inputs):
       if v in graph.literals:
         continue
       for d, f in enumerate(fs):
@@ -369,7 +369,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
         if c is not None and c not in example:
           example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
   conflicted = {index[uf.find(n)] for n in pinned}
-  for i, cs in factor_class.items():
+  for cs in factor_class.values():
     conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
   for dims in _value_dims(graph, value_class, side_class):
     conflicted.update(c for c in dims if dims.count(c) > 1)

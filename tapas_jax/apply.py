@@ -48,8 +48,9 @@ def _mesh_for(plan: planlib.Plan, mesh: Any, where: str) -> jax.sharding.Mesh:
     raise options.OptionError(f"{where}: the first argument must be a tapas Plan (from "
                               f"tapas.search or Plan.load), got {type(plan).__name__}.")
   if mesh is None:
-    current = jax.sharding.get_mesh()
-    if current is None or current.empty or not hasattr(current, "devices"):
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is None or getattr(current, "empty", True) or not hasattr(current, "devices"):
       return make_mesh(dict(plan.mesh_axes))
     mesh, source = current, "the mesh set by jax.set_mesh"
   else:
@@ -156,8 +157,8 @@ def place(plan: planlib.Plan, *args: Any, mesh: Any = None,
     >>> w, x = jnp.ones((8, 8)), jnp.ones((64, 8))
     >>> plan = tapas.search(f, w, kwargs={"x": x}, mesh={"data": 8}, device="cpu")
     >>> (w,), kw = tapas.place(plan, w, kwargs={"x": x})
-    >>> kw["x"].sharding.spec
-    PartitionSpec('data', None)
+    >>> kw["x"].sharding.spec == plan.kwargs_specs["x"]
+    True
   """
   mesh = _mesh_for(plan, mesh, "place")
   given = options.kwargs(kwargs, "place")
@@ -277,12 +278,24 @@ def _committed_elsewhere(call: _Call, shardings: Sequence[Any]) -> str | None:
 
 
 def _check_program(plan: planlib.Plan, graph) -> None:
-  if graph.regions[0].fingerprint != plan.fingerprint:
-    raise ValueError(
-        f"apply: plan {plan.name!r} was searched for another program (fingerprint "
-        f"{plan.fingerprint}, this one {graph.regions[0].fingerprint}): the function, "
-        "its argument shapes or dtypes, or its static options differ. Search again with "
-        "tapas.search(fn, *args, mesh=...) on what you run.")
+  if graph.regions[0].fingerprint == plan.fingerprint:
+    return
+  here = tuple((i.path, str(graph.types[i.value])) for i in graph.inputs)
+  what = "the function or its static options differ"
+  if plan.input_types and here != plan.input_types:
+    k = next((k for k, (a, b) in enumerate(zip(here, plan.input_types)) if a != b),
+             min(len(here), len(plan.input_types)))
+    if k >= len(here) or k >= len(plan.input_types):
+      what = f"it has {len(here)} input leaves, the plan {len(plan.input_types)}"
+    else:
+      (path, ttype), (want_path, want_type) = here[k], plan.input_types[k]
+      what = (f"input {k} is '{path}' {ttype} here, '{want_path}' {want_type} in the plan"
+              if path != want_path else f"input '{path}' is {ttype} here, {want_type} in "
+              "the plan")
+  raise ValueError(
+      f"apply: plan {plan.name!r} was searched for another program: {what} (fingerprint "
+      f"{plan.fingerprint}, this one {graph.regions[0].fingerprint}). Search again with "
+      "tapas.search(fn, *args, mesh=...) on what you run.")
 
 
 def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict) -> list[Any]:

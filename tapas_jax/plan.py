@@ -124,6 +124,8 @@ class Plan:
     constraints: layouts `apply` pins inside the program (see `Constraint`).
     kwargs_specs: keyword argument name -> its pytree of `PartitionSpec`, for a step
       searched with keyword arguments (`search(..., kwargs={...})`); else empty.
+    input_types: (path, "float32[8,64]") of every argument leaf searched, so that a
+      plan applied to another program says which input differs.
   """
 
   mesh_axes: Mapping[str, int]
@@ -136,6 +138,19 @@ class Plan:
   name: str = "tapas"
   constraints: tuple[Constraint, ...] = ()
   kwargs_specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  input_types: tuple[tuple[str, str], ...] = ()
+
+  def save(self, path) -> None:
+    """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
+    from tapas_jax import plan_file  # noqa: PLC0415 - plan_file imports this module
+    plan_file.save(self, path)
+
+  @classmethod
+  def load(cls, path) -> "Plan":
+    """Reads a plan `save` wrote. Raises `plan_file.PlanFileError` (a ValueError)
+    naming the field that is wrong in a truncated or edited file."""
+    from tapas_jax import plan_file  # noqa: PLC0415
+    return plan_file.load(path)
 
   def summary(self) -> str:
     """Readable report: the cost, the split dimension classes, each layer's specs."""
@@ -241,7 +256,8 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
                       class_axes=class_axes, layers=tuple(layers), stats=stats,
                       fingerprint=g.regions[0].fingerprint, name=name,
                       constraints=_constraints(problem, solution, fixed),
-                      kwargs_specs=kwargs_specs)
+                      kwargs_specs=kwargs_specs,
+                      input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs))
 
 
 def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):

@@ -175,3 +175,43 @@ def test_trace_failure_is_reported_with_arguments():
 def test_summary_mentions_loops():
   text = gpt_train_graph(num_layers=3, scan=True).summary()
   assert "loop scan.jaxpr x3" in text
+
+
+def test_fingerprint_is_the_same_with_and_without_a_mesh_context():
+  # Under jax.set_mesh, jit equations gain ctx_mesh and broadcast_in_dim, reshape,
+  # dot_general, reduce_sum ... gain sharding=NamedSharding(AbstractMesh, P(None, ...)).
+  import tapas_jax as tapas
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
+  plain = trace(*args)
+  with jax.set_mesh(tapas.make_mesh({"data": 2, "model": 4})):
+    under = trace(*args)
+  raw = [op.raw_params.get("sharding") for op in under.ops]
+  assert any(isinstance(s, jax.sharding.NamedSharding) for s in raw), \
+      "this jax no longer records shardings under a mesh: the test checks nothing"
+  assert [op.signature for op in under.ops] == [op.signature for op in plain.ops]
+  assert under.regions[0].fingerprint == plain.regions[0].fingerprint
+
+
+@pytest.mark.parametrize("sharding,canon", [
+    (None, "None"),
+    (jax.sharding.PartitionSpec(None, None), "None"),
+    (jax.sharding.PartitionSpec("data", None), "P('data',None)"),
+    (jax.sharding.PartitionSpec(("data", "model")), "P(('data','model'),)"),
+])
+def test_shardings_in_params_canonicalize_to_their_axes(sharding, canon):
+  from tapas_jax.trace import _canon
+  assert _canon(sharding) == canon
+  if isinstance(sharding, jax.sharding.PartitionSpec):
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    assert _canon(jax.sharding.NamedSharding(mesh, sharding)) == canon
+
+
+def test_keyword_arguments_trace_after_the_positional_ones_in_name_order():
+  def f(w, *, x, b):
+    return jnp.tanh(x @ w + b["bias"])
+  g = trace(f, sds(4, 8), kwargs={"x": sds(2, 4), "b": {"bias": sds(8)}})
+  assert [(i.path, i.arg) for i in g.inputs] == [("arg0", 0), ("b/bias", 1), ("x", 2)]
+  assert g.num_args == 3
+  same = trace(lambda w, b, x: f(w, x=x, b=b), sds(4, 8), {"bias": sds(8)}, sds(2, 4))
+  assert same.regions[0].fingerprint == g.regions[0].fingerprint

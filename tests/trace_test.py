@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from jax.extend.core import Primitive
 
+import tapas_jax as tapas
 from tapas_jax import models
+from tapas_jax import trace as trace_module
 from tapas_jax.trace import Graph, TraceError, trace
 
 F32 = jnp.float32
@@ -180,7 +182,6 @@ def test_summary_mentions_loops():
 def test_fingerprint_is_the_same_with_and_without_a_mesh_context():
   # Under jax.set_mesh, jit equations gain ctx_mesh and broadcast_in_dim, reshape,
   # dot_general, reduce_sum ... gain sharding=NamedSharding(AbstractMesh, P(None, ...)).
-  import tapas_jax as tapas
   m = models.get_model("gpt", "tiny")
   args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
   plain = trace(*args)
@@ -200,8 +201,7 @@ def test_fingerprint_is_the_same_with_and_without_a_mesh_context():
     (jax.sharding.PartitionSpec(("data", "model")), "P(('data','model'),)"),
 ])
 def test_shardings_in_params_canonicalize_to_their_axes(sharding, canon):
-  from tapas_jax.trace import _canon
-  assert _canon(sharding) == canon
+  assert trace_module._canon(sharding) == canon
   if isinstance(sharding, jax.sharding.PartitionSpec):
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
     assert _canon(jax.sharding.NamedSharding(mesh, sharding)) == canon

@@ -204,7 +204,7 @@ def test_shardings_in_params_canonicalize_to_their_axes(sharding, canon):
   assert trace_module._canon(sharding) == canon
   if isinstance(sharding, jax.sharding.PartitionSpec):
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
-    assert _canon(jax.sharding.NamedSharding(mesh, sharding)) == canon
+    assert trace_module._canon(jax.sharding.NamedSharding(mesh, sharding)) == canon
 
 
 def test_keyword_arguments_trace_after_the_positional_ones_in_name_order():

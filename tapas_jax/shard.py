@@ -39,7 +39,8 @@ from tapas_jax.apply import apply as apply_plan
 from tapas_jax import plan as planlib
 from tapas_jax.mesh import MeshError, check_auto, make_mesh
 
-__all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "resolve_mesh", "shard"]
+__all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "place_as_planned",
+           "resolve_mesh", "shard"]
 
 # Options only a function takes, and only a module class takes.
 _FUNCTION_OPTIONS = ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
@@ -353,9 +354,7 @@ class ShardedFunction:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     entry, dynamic, _ = self._entry(args, kwargs)
-    # jit refuses a committed array whose sharding differs from in_shardings: move it.
-    placed = [jax.device_put(v, s) for v, s in zip(dynamic, entry.shardings)]
-    return entry.applied(*placed)
+    return entry.applied(*(place_as_planned(v, s) for v, s in zip(dynamic, entry.shardings)))
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
     """`jax.jit(...).lower` of the planned program (arrays or ShapeDtypeStructs)."""
@@ -378,6 +377,17 @@ def _abstract(values: Sequence[Any], labels: Sequence[str]) -> list[Any]:
       raise TypeError(f"shard: argument {label} is not a pytree of arrays ({e}); mark it "
                       f"static with static_argnums= or static_argnames=") from None
   return out
+
+
+def place_as_planned(tree: Any, shardings: Any) -> Any:
+  """Concrete arrays moved to their planned sharding (jit refuses a committed array in
+  another one); tracers, scalars and abstract values pass: jit's in_shardings take them."""
+  def move(x, s):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+        not x.sharding.is_equivalent_to(s, x.ndim):
+      return jax.device_put(x, s)
+    return x
+  return jax.tree.map(move, tree, shardings)
 
 
 def _shardings(plan: planlib.Plan, mesh) -> tuple[Any, ...]:

@@ -328,6 +328,9 @@ class ShardedFunction:
       bound = inspect.BoundArguments(signature, arguments)
       return fn(*bound.args, **bound.kwargs)
 
+    # Trace errors and plan reports name the user's function.
+    closed.__name__ = getattr(fn, "__name__", "fn")
+    closed.__qualname__ = getattr(fn, "__qualname__", closed.__name__)
     return closed
 
   # -- planning --------------------------------------------------------------

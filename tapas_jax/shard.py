@@ -143,12 +143,13 @@ def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
     TypeError: `target` is neither, or an option does not apply to it.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> f = shard(lambda w, x: jnp.sum(x @ w), mesh={"data": 8}, device="cpu")
+    >>> import jax, jax.numpy as jnp
+    >>> f = shard(lambda w, x: jnp.sum(x @ w), mesh={"data": 8}, device="h100")
     >>> float(f(jnp.ones((16, 8)), jnp.ones((64, 16))))
     8192.0
-    >>> f.plan.in_specs[1]
-    P('data', None)
+    >>> f.plan_for(jax.ShapeDtypeStruct((4096, 4096), jnp.float32),     # no allocation
+    ...            jax.ShapeDtypeStruct((65536, 4096), jnp.float32)).in_specs
+    (P(None, None), P('data', None))
   """
   search = SearchOptions(mesh=mesh, device=device, memory_budget=memory_budget,
                          batch_axes=batch_axes, fold=fold)

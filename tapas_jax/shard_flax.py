@@ -127,7 +127,7 @@ def optimizer_state(optimizer: optax.GradientTransformation, params: Any) -> Any
     >>> w = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
     >>> state = optimizer_state(optax.adam(1e-3), {"w": w})
     >>> state[0].mu["w"].sharding.spec
-    PartitionSpec('data',)
+    P('data',)
   """
   shardings = jax.tree.map(lambda x: x.sharding, params)
   mesh = next((s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding)),

@@ -8,8 +8,9 @@ import tapas_jax as tapas
 
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
-      "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "TraceError", "apply",
-      "fold", "make_mesh", "models", "place", "search", "trace"]
+      "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats", "TraceError",
+      "apply",
+      "fold", "make_mesh", "models", "place", "search", "shard", "trace"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 

@@ -151,6 +151,8 @@ def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
     ...            jax.ShapeDtypeStruct((65536, 4096), jnp.float32)).in_specs
     (P(None, None), P('data', None))
   """
+  if mesh is not None:
+    resolve_mesh(mesh)  # a wrong mesh fails here, not at the first call
   search = SearchOptions(mesh=mesh, device=device, memory_budget=memory_budget,
                          batch_axes=batch_axes, fold=fold)
   if target is None:
@@ -227,6 +229,7 @@ class ShardedFunction:
                donate_argnames: str | Sequence[str] = ()):
     functools.update_wrapper(self, fn)
     self.fn, self.search = fn, search
+    self._name = getattr(fn, "__name__", None) or repr(fn)
     self.static_argnums = _as_tuple(static_argnums, "static_argnums", int)
     self.static_argnames = _as_tuple(static_argnames, "static_argnames", str)
     self.donate_argnums = _as_tuple(donate_argnums, "donate_argnums", int)
@@ -256,13 +259,13 @@ class ShardedFunction:
     `static_argnums` (parameters in signature order, then the entries of `*args`)."""
     if self._signature is None:
       if kwargs:
-        raise TypeError(f"shard: {self.__name__} has no signature to bind keyword "
+        raise TypeError(f"shard: {self._name} has no signature to bind keyword "
                         f"arguments {sorted(kwargs)} to; pass them positionally")
       return [(_Slot("args", i, i), a) for i, a in enumerate(args)]
     try:
       bound = self._signature.bind(*args, **kwargs)
     except TypeError as e:
-      raise TypeError(f"{self.__name__}{self._signature}: {e}") from None
+      raise TypeError(f"{self._name}{self._signature}: {e}") from None
     parameters = self._signature.parameters
     positional = [n for n, p in parameters.items()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -294,7 +297,7 @@ class ShardedFunction:
         try:
           hash(value)
         except TypeError:
-          raise TypeError(f"shard: static argument {slot.label} of {self.__name__} must "
+          raise TypeError(f"shard: static argument {slot.label} of {self._name} must "
                           f"be hashable, got {type(value).__name__}") from None
         statics[slot] = value
         layout.append((slot, True, value))
@@ -365,6 +368,11 @@ class ShardedFunction:
     entry, _, abstract = self._entry(args, kwargs)
     return entry.applied.lower(*abstract)
 
+  def __get__(self, obj, objtype=None):
+    # A decorated method binds its instance as the first (positional) argument, as
+    # jax.jit's does; mark it static if it is not a pytree of arrays.
+    return self if obj is None else functools.partial(self, obj)
+
   def __repr__(self) -> str:
     return f"<tapas.shard of {self.fn!r}: {len(self._entries)} plan(s)>"
 
@@ -377,9 +385,13 @@ def _abstract(values: Sequence[Any], labels: Sequence[str]) -> list[Any]:
   for value, label in zip(values, labels):
     try:
       out.append(jax.tree.map(strong, jax.eval_shape(lambda v: v, value)))
-    except TypeError as e:
-      raise TypeError(f"shard: argument {label} is not a pytree of arrays ({e}); mark it "
-                      f"static with static_argnums= or static_argnames=") from None
+    except TypeError:
+      kinds = sorted({type(x).__name__ for x in jax.tree.leaves(value)
+                      if not hasattr(x, "shape") and not isinstance(x, (bool, int, float,
+                                                                        complex))})
+      raise TypeError(f"shard: argument {label} is not a pytree of arrays (it holds "
+                      f"{', '.join(kinds) or 'a non-array'}); mark it static with "
+                      f"static_argnums= or static_argnames=") from None
   return out
 
 

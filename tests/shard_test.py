@@ -156,7 +156,29 @@ def test_bad_calls_say_what_is_wrong():
     step(w, x, act=["tanh"])
   explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   with pytest.raises(tapas.MeshError, match="not AxisType.Auto"):
-    tapas.shard(sgd_step, mesh=explicit)(w, x)
+    tapas.shard(sgd_step, mesh=explicit)
+  with pytest.raises(tapas.MeshError, match="need 6 devices"):
+    tapas.shard(sgd_step, mesh={"data": 6})
+  with pytest.raises(TypeError, match="argument x is not a pytree of arrays.*static"):
+    step(w, "tanh")
+
+
+def test_method_binds_its_instance():
+  class Scaled:
+    def __init__(self, k):
+      self.k = k
+
+    @functools.partial(tapas.shard, static_argnums=0, mesh=MESH, device="cpu")
+    def __call__(self, x):
+      return self.k * jnp.sum(x)
+
+    def __hash__(self):
+      return hash(self.k)
+
+    def __eq__(self, other):
+      return self.k == other.k
+
+  assert float(Scaled(3.0)(jnp.ones(16))) == 48.0
 
 
 # -- flax linen ----------------------------------------------------------------------
@@ -294,15 +316,10 @@ class NnxMLP(nnx.Module):
     return self.fc2(nnx.relu(self.fc1(x)))
 
 
-def sharded_nnx(**options):
-  return tapas.shard(NnxMLP, mesh=MESH, device="cpu",
-                     example_inputs=(jax.ShapeDtypeStruct((64, 64), jnp.float32),),
-                     **options)
-
-
 def test_nnx_construction_is_sharded_and_matches_unsharded():
   params = nnx.state(nnx.eval_shape(lambda: NnxMLP(64, 1024, rngs=nnx.Rngs(0))), nnx.Param)
-  Sharded = sharded_nnx(memory_budget=2 * nbytes(params))
+  Sharded = tapas.shard(NnxMLP, mesh=MESH, device="cpu", memory_budget=2 * nbytes(params),
+                        example_inputs=(jax.ShapeDtypeStruct((64, 64), jnp.float32),))
   rngs, ref_rngs = nnx.Rngs(0), nnx.Rngs(0)
   model = Sharded(64, 1024, rngs=rngs)
   ref = NnxMLP(64, 1024, rngs=ref_rngs)
@@ -324,7 +341,9 @@ def test_nnx_construction_is_sharded_and_matches_unsharded():
 
 
 def test_nnx_trains_through_shard_with_the_unsharded_losses():
-  Sharded = sharded_nnx()
+  # example_inputs may be a function of the abstract module.
+  Sharded = tapas.shard(NnxMLP, mesh=MESH, device="cpu", example_inputs=lambda m: (
+      jax.ShapeDtypeStruct((64, m.fc1.in_features), jnp.float32),))
   model = Sharded(64, 256, rngs=nnx.Rngs(0))
   ref_model = NnxMLP(64, 256, rngs=nnx.Rngs(0))
   optimizer = optax.sgd(0.05)

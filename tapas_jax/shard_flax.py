@@ -16,7 +16,10 @@ linen: `Sharded = tapas.shard(MyModule)` is a subclass of `MyModule`:
     out_shardings=plan)`: every variable is made where the plan stores it, never
     whole on one device first;
   - `.apply(variables, *inputs, **static_kwargs)` is a jitted call whose variables
-    and inputs enter in the plan's layouts (moved there if they are elsewhere);
+    and inputs enter in the plan's layouts (moved there if they are elsewhere) and
+    whose inside is constrained by `forward_plan`: the train plan's choice of mesh
+    axes per dimension class, applied to the forward's own program (no new search:
+    a forward-only search would pick layouts that ignore backward and optimizer);
   - `.plan_for(variables, *inputs)` gives the `ModulePlan` (plan and shardings).
   Used as a submodule of another module it is the plain module: only the top-level
   `init`/`apply` are sharded.
@@ -66,7 +69,11 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tapas_jax import api
+from tapas_jax import cost as costlib
 from tapas_jax import plan as planlib
+from tapas_jax import solver
+from tapas_jax.apply import apply as apply_plan
 from tapas_jax.shard import SearchOptions, place_as_planned as _place, resolve_mesh
 
 __all__ = ["ModulePlan", "default_loss", "optimizer_state", "shard_class", "shard_linen",
@@ -210,6 +217,53 @@ def _module_plan(cache: dict, key: Hashable, search: SearchOptions, forward: Cal
   return cache[key]
 
 
+def forward_plan(module_plan: ModulePlan, forward: Callable, params, state,
+                 inputs: Sequence[Any], fold: bool = True) -> planlib.Plan:
+  """The plan of a forward-only call, taken from the train step's plan.
+
+  Every input keeps the layout the train plan stores it in; each dimension class of
+  the forward takes the mesh axes the train plan gives an input dim in that class
+  (as the compute uses it: a parameter stored split over `data` but used gathered is
+  used gathered here too). No search runs: the forward follows the training layout,
+  and `apply` pins what it implies (reads in another layout than stored, contraction
+  results) inside the call. Classes no input reaches stay unsplit.
+  """
+  args = (params, state, *inputs)
+  prepared = api.prepare(forward, args, mesh=module_plan.mesh, device=module_plan.plan.device,
+                         batch_axes=None, fold=fold)
+  problem, graph = prepared.problem, prepared.graph
+  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+  train = module_plan.plan
+  stored = [s for specs in (train.in_specs[0], train.in_specs[2], *train.in_specs[3:])
+            for s in jax.tree.leaves(specs, is_leaf=is_spec)]
+  if len(stored) != len(graph.inputs):
+    raise ValueError(f"forward_plan: the train plan has {len(stored)} parameter, state and "
+                     f"input specs, the forward {len(graph.inputs)} inputs")
+  used = {path: spec for layer in train.layers for path, spec in layer.use_specs}
+  choice: dict[int, tuple[str, ...]] = {}
+  layouts: dict[int, costlib.Layout] = {}
+  for inp, spec in zip(graph.inputs, stored):
+    rank = len(graph.types[inp.value].shape)
+    layouts[inp.value] = costlib.Layout(_entries(spec, rank))
+    use = used.get(inp.path, spec) if inp.arg == 0 else spec
+    for d, axes in enumerate(_entries(use, rank)):
+      c = problem.vclass(inp.value, d)
+      if axes and axes in problem.domains[c]:
+        choice.setdefault(c, axes)
+  solution = solver.evaluate(problem, choice, input_layouts=layouts)
+  return planlib.make_plan(problem, prepared.folded, solution, args,
+                           search_s=prepared.prepare_s, name=f"{train.name} (forward)",
+                           input_layouts=layouts)
+
+
+def _entries(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
+  out = []
+  for d in range(rank):
+    entry = spec[d] if d < len(spec) else None
+    out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+  return tuple(out)
+
+
 # -- linen ---------------------------------------------------------------------------
 
 
@@ -226,6 +280,7 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
                 optimizer: optax.GradientTransformation | None = None) -> type:
   """A subclass of the linen module `cls` whose `init` and `apply` follow a plan."""
   cache: dict = {}
+  forwards: dict = {}  # (id of a ModulePlan, static kwargs) -> the applied forward
 
   class Sharded(cls):  # type: ignore[misc, valid-type]
 
@@ -277,20 +332,27 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
       """
       _check_kwargs("apply", kwargs)
       plan = self.plan_for(variables, *inputs, **kwargs)
-      forward = self._forward(kwargs)
       params, state = _split_collections(variables)
-      run = _linen_apply(plan, forward)
-      out, _ = run(_place(params, plan.params), _place(state, plan.state),
-                   *(_place(x, s) for x, s in zip(inputs, plan.inputs)))
+      key = (id(plan), _static(kwargs))  # plans live in `cache`: ids stay theirs
+      if key not in forwards:
+        forward = self._forward(kwargs)
+        abstract = _split_collections(_abstract(variables))
+        fwd = forward_plan(plan, forward, *abstract, _abstract(inputs), fold=search.fold)
+        forwards[key] = apply_plan(fwd, forward, mesh=plan.mesh)
+      out, _ = forwards[key](_place(params, plan.params), _place(state, plan.state),
+                             *(_place(x, s) for x, s in zip(inputs, plan.inputs)))
       return out
+
+    def forward_plan_for(self, variables: Any, *inputs: Any, **kwargs: Any):
+      """The plan `apply` runs with (see `forward_plan`)."""
+      plan = self.plan_for(variables, *inputs, **kwargs)
+      return forward_plan(plan, self._forward(kwargs),
+                          *_split_collections(_abstract(variables)), _abstract(inputs),
+                          fold=search.fold)
 
   Sharded.__name__, Sharded.__qualname__ = cls.__name__, cls.__qualname__
   Sharded.__module__, Sharded.__doc__ = cls.__module__, cls.__doc__
   return Sharded
-
-
-def _linen_apply(plan: ModulePlan, forward: Callable) -> Callable:
-  return jax.jit(forward, in_shardings=(plan.params, plan.state, *plan.inputs))
 
 
 def _check_kwargs(where: str, kwargs: dict) -> None:

@@ -301,6 +301,12 @@ def test_zoo_gpt_linen_init_and_apply():
   plan = sharded.plan_for(variables, batch["inputs"])
   for leaf, want in zip(jax.tree.leaves(variables["params"]), jax.tree.leaves(plan.params)):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+  # apply runs a forward plan that stores everything as the train plan does, and pins
+  # the layouts that follow from it inside the call.
+  forward = sharded.forward_plan_for(variables, batch["inputs"])
+  assert forward.in_specs[0] == plan.plan.in_specs[0]
+  assert forward.in_specs[2:] == plan.plan.in_specs[3:]
+  assert forward.constraints
 
 
 # -- flax nnx ------------------------------------------------------------------------

@@ -29,9 +29,12 @@ nnx: `Sharded = tapas.shard(MyModule, example_inputs=(...))` is a subclass of
 `example_inputs` (arrays or `jax.ShapeDtypeStruct`s, or a function of the abstract
 module that returns them: an nnx constructor sees no inputs), then builds the module
 under `jax.jit` with the plan's `out_shardings` (`nnx.split` state in, state out) and
-merges it. The `Rngs` passed advance as an unsharded construction would. Calls run
-as nnx calls do (eagerly, or under your own jit / `tapas.shard` step); the state's
-shardings carry the plan. `Sharded.plan` is the last plan.
+merges it. The `Rngs` passed advance as an unsharded construction would. A call
+`model(*inputs)` on concrete arrays runs jitted and constrained by `forward_plan` (as
+linen's `apply`; keyword arguments are static), and writes back the non-Param state
+it changes; inside your own jit or `tapas.shard` step (traced values) it is the plain
+call and that program's plan governs. `Sharded.plan` / `Sharded.module_plan` are the
+last plan made.
 
 Optimizer state: `optax` made eagerly from sharded params follows their shardings
 (zeros_like keeps a concrete array's sharding); under `jax.jit` it does not (the
@@ -394,12 +397,54 @@ def shard_nnx(cls: type, search: SearchOptions, *, loss_fn: Callable | None = No
       return _construct(klass, lambda a, k: base_meta.__call__(klass, *a, **k), args,
                         kwargs, cache, search, loss_fn, optimizer, example_inputs)
 
+  forwards: dict = {}  # (id of a ModulePlan, static kwargs) -> the applied forward
+
+  def __call__(self, *inputs, **kwargs):
+    """The module's call; outside a trace, jitted and constrained by `forward_plan`."""
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    leaves = jax.tree.leaves((params, rest, inputs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      # Inside the caller's jit or tapas.shard step: that program's plan governs.
+      return super(Sharded, self).__call__(*inputs, **kwargs)
+    plan, _, applied = _planned_call(graphdef, params, rest, inputs, kwargs)
+    out, rest = applied(_place(params, plan.params), _place(rest, plan.state),
+                        *(_place(x, s) for x, s in zip(inputs, plan.inputs)))
+    nnx.update(self, rest)
+    return out
+
+  def forward_plan_for(self, *inputs, **kwargs) -> planlib.Plan:
+    """The plan a call on these inputs runs with (see `forward_plan`)."""
+    graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+    return _planned_call(graphdef, params, rest, inputs, kwargs)[1]
+
+  def _planned_call(graphdef, params, rest, inputs, kwargs):
+    """(ModulePlan, forward Plan, applied forward) of a call, cached."""
+    _check_kwargs("call", kwargs)
+    forward = _nnx_forward(graphdef, kwargs)
+    plan = _module_plan(cache, graphdef, search, forward, _abstract(params),
+                        _abstract(rest), _abstract(inputs), loss_fn, optimizer)
+    key = (id(plan), _static(kwargs))  # plans live in `cache`: ids stay theirs
+    if key not in forwards:
+      fwd = forward_plan(plan, forward, _abstract(params), _abstract(rest),
+                         _abstract(inputs), fold=search.fold)
+      forwards[key] = (fwd, apply_plan(fwd, forward, mesh=plan.mesh))
+    return (plan, *forwards[key])
+
   Sharded = Meta(cls.__name__, (cls,), {"__module__": cls.__module__,
                                         "__qualname__": cls.__qualname__,
-                                        "__doc__": cls.__doc__})
+                                        "__doc__": cls.__doc__, "__call__": __call__,
+                                        "forward_plan_for": forward_plan_for})
   Sharded.plan = None
   Sharded.module_plan = None
   return Sharded
+
+
+def _nnx_forward(graphdef, kwargs) -> Callable:
+  def forward(params, state, *inputs):
+    module = nnx.merge(graphdef, params, state)
+    out = module(*inputs, **kwargs)
+    return out, nnx.split(module, nnx.Param, ...)[2]
+  return forward
 
 
 def _construct(klass, create, args, kwargs, cache, search, loss_fn, optimizer,
@@ -422,13 +467,8 @@ def _construct(klass, create, args, kwargs, cache, search, loss_fn, optimizer,
     inputs = inputs(nnx.merge(graphdef, params, rest))
   inputs = _abstract(tuple(inputs))
 
-  def forward(p, state, *xs):
-    module = nnx.merge(graphdef, p, state)
-    out = module(*xs)
-    return out, nnx.split(module, nnx.Param, ...)[2]
-
-  plan = _module_plan(cache, graphdef, search, forward, params, rest, inputs, loss_fn,
-                      optimizer)
+  plan = _module_plan(cache, graphdef, search, _nnx_forward(graphdef, {}), params, rest,
+                      inputs, loss_fn, optimizer)
   replicated = NamedSharding(plan.mesh, PartitionSpec())
   out_shardings = (plan.params, plan.state,
                    jax.tree.map(lambda _: replicated, arg_state))

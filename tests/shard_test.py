@@ -339,7 +339,9 @@ def test_nnx_construction_is_sharded_and_matches_unsharded():
   # The caller's Rngs advanced as the plain construction advances them.
   assert int(rngs.default.count[...]) == int(ref_rngs.default.count[...])
   x = jax.random.normal(jax.random.key(1), (64, 64))
-  np.testing.assert_allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)  # forward plan
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(model, x), ref(x), rtol=1e-5,
+                             atol=1e-6)  # traced: the plain call
   # nnx.Optimizer builds its state eagerly: the moments follow the params.
   opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   moments = nnx.state(opt, nnx.OptState)
@@ -388,6 +390,9 @@ def test_nnx_zoo_gpt_constructs_sharded():
   for leaf, want in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                         jax.tree.leaves(Sharded.module_plan.params)):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+  forward = model.forward_plan_for(tokens)
+  assert forward.in_specs[0] == Sharded.module_plan.plan.in_specs[0]
+  assert forward.constraints
 
 
 def test_nnx_needs_example_inputs():

@@ -26,6 +26,7 @@ from tapas_jax.apply import apply, place
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan, PlanStats
+from tapas_jax.shard import shard
 from tapas_jax.solver import InfeasibleBudgetError
 from tapas_jax.trace import Graph, TraceError
 
@@ -48,6 +49,7 @@ __all__ = [
     "models",
     "place",
     "search",
+    "shard",
     "trace",
 ]
 

@@ -379,7 +379,6 @@ def test_nnx_trains_through_shard_with_the_unsharded_losses():
 
 
 def test_nnx_zoo_gpt_constructs_sharded():
-  from tapas_jax.models import gpt_nnx
   m = models.get_model("gpt_nnx", "tiny")
   batch = m.batch_spec(8)
   Sharded = tapas.shard(gpt_nnx.GPT, mesh=MESH, device="cpu",

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -217,6 +218,7 @@ class _Applied:
     self._jitted: dict[Any, Any] = {}
 
   def _prepare(self, args, kwargs):
+    args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
     call = _Call(self.plan, args, kwargs, "apply")
     key = (tuple(call.names), tuple(jax.tree.structure(v) for v in call.values))
     if key not in self._jitted:
@@ -257,6 +259,33 @@ class _Applied:
   def lower(self, *args, **kwargs):
     call, jitted, _ = self._prepare(args, kwargs)
     return jitted.lower(*call.values)
+
+
+def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+  """The call's arguments split into positional and keyword ones as the plan was
+  searched, where `fn`'s signature says how (`step(state, batch=b)` for a plan of
+  `step(state, batch)`, and the reverse), as `jax.jit` accepts both; else unchanged."""
+  n, names = len(plan.in_specs), sorted(plan.kwargs_specs)
+  if len(args) == n and sorted(kwargs) == names:
+    return args, kwargs
+  try:
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return args, kwargs
+  params = list(sig.parameters.values())
+  if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params
+         if p.name in bound.arguments):
+    return args, kwargs
+  positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                     p.POSITIONAL_OR_KEYWORD)][:n]
+  if len(positional) < n or any(name not in bound.arguments for name in positional):
+    return args, kwargs
+  rest = {k: v for k, v in bound.arguments.items() if k not in positional}
+  if sorted(rest) != names or any(sig.parameters[k].kind == inspect.Parameter.POSITIONAL_ONLY
+                                  for k in rest):
+    return args, kwargs
+  return tuple(bound.arguments[name] for name in positional), rest
 
 
 def _committed_elsewhere(call: _Call, shardings: Sequence[Any]) -> str | None:

@@ -219,13 +219,15 @@ class _Applied:
 
   def _prepare(self, args, kwargs):
     args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
-    call = _Call(self.plan, args, kwargs, "apply")
-    key = (tuple(call.names), tuple(jax.tree.structure(v) for v in call.values))
+    names = sorted(kwargs)
+    values = tuple(args) + tuple(kwargs[n] for n in names)
+    # Checking and binding the specs walks every leaf: once per argument structure.
+    key = (len(args), tuple(names), tuple(jax.tree.structure(v) for v in values))
     if key not in self._jitted:
+      call = _Call(self.plan, args, kwargs, "apply")
       shardings = call.shardings(self.mesh)
-      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings)
-    jitted, shardings = self._jitted[key]
-    return call, jitted, shardings
+      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings, call.where)
+    return values, self._jitted[key]
 
   def _jit(self, num_positional: int, names: Sequence[str], in_shardings):
     plan, fn, pins = self.plan, self.fn, self.pins
@@ -247,18 +249,18 @@ class _Applied:
     return jax.jit(run, in_shardings=in_shardings, donate_argnums=self.donate)
 
   def __call__(self, *args, **kwargs):
-    call, jitted, shardings = self._prepare(args, kwargs)
+    values, (jitted, shardings, where) = self._prepare(args, kwargs)
     try:
-      return jitted(*call.values)
+      return jitted(*values)
     except ValueError as e:
-      found = _committed_elsewhere(call, shardings)
+      found = _committed_elsewhere(where, values, shardings)
       if found is None:
         raise
       raise ValueError(found) from e
 
   def lower(self, *args, **kwargs):
-    call, jitted, _ = self._prepare(args, kwargs)
-    return jitted.lower(*call.values)
+    values, (jitted, _, _) = self._prepare(args, kwargs)
+    return jitted.lower(*values)
 
 
 def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -288,9 +290,10 @@ def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tup
   return tuple(bound.arguments[name] for name in positional), rest
 
 
-def _committed_elsewhere(call: _Call, shardings: Sequence[Any]) -> str | None:
+def _committed_elsewhere(where: Sequence[str], values: Sequence[Any],
+                         shardings: Sequence[Any]) -> str | None:
   """Names the first argument leaf committed to another sharding than the plan's."""
-  for where, value, tree in zip(call.where, call.values, shardings):
+  for where, value, tree in zip(where, values, shardings):
     leaves = jax.tree_util.tree_flatten_with_path(value)[0]
     for (path, leaf), want in zip(leaves, jax.tree.leaves(tree)):
       have = getattr(leaf, "sharding", None)

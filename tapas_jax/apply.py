@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tapas_jax import _jax_internals as jx
 from tapas_jax import options
 from tapas_jax import plan as planlib
+from tapas_jax import plan_file
 from tapas_jax import trace as tracelib
 from tapas_jax.mesh import MeshError, make_mesh
 
@@ -80,33 +81,6 @@ def _mesh_diff(want: Mapping[str, int], have: Mapping[str, int]) -> str:
   return f"axis order {list(have)}, the plan's {list(want)}"
 
 
-def _bind(specs: Any, arg: Any, where: str, plan: planlib.Plan) -> Any:
-  """`specs` in `arg`'s pytree structure.
-
-  A plan loaded from a file holds stand-ins for the pytree node types JSON cannot
-  rebuild (a flax `TrainState`, optax states, nnx `State`); they are bound to the
-  argument's own node types when the key paths of the leaves agree one for one.
-  """
-  have = jax.tree.structure(arg)
-  if jax.tree.structure(specs, is_leaf=_is_spec) == have:
-    return specs
-  spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-  arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-  spec_paths = [tracelib.key_path_str(p) for p, _ in spec_leaves]
-  arg_paths = [tracelib.key_path_str(p) for p, _ in arg_leaves]
-  if spec_paths == arg_paths and all(_is_spec(s) for _, s in spec_leaves):
-    return jax.tree.unflatten(have, [s for _, s in spec_leaves])
-  diff = next((k for k, (a, b) in enumerate(zip(arg_paths, spec_paths)) if a != b),
-              min(len(arg_paths), len(spec_paths)))
-  got = f"'{arg_paths[diff]}'" if diff < len(arg_paths) else "nothing"
-  want = f"'{spec_paths[diff]}'" if diff < len(spec_paths) else "nothing"
-  raise ValueError(
-      f"apply: plan {plan.name!r} was searched for another program: {where} has "
-      f"{len(arg_paths)} leaves, the plan {len(spec_paths)}; leaf {diff} is {got} here and "
-      f"{want} in the plan. Search again with tapas.search(fn, *args, mesh=...) on what "
-      "you run.")
-
-
 class _Call:
   """The arguments of one call, flattened as the plan's program takes them: the
   positional ones, then the keyword ones in sorted name order."""
@@ -127,7 +101,7 @@ class _Call:
     self.where = [f"argument {i}" for i in range(len(args))] + \
         [f"keyword argument {n!r}" for n in names]
     self.specs = tuple(
-        _bind(s, a, w, plan) for s, a, w in
+        plan_file.bind_specs(s, a, w, plan.name) for s, a, w in
         zip(tuple(plan.in_specs) + tuple(plan.kwargs_specs[n] for n in names),
             self.values, self.where))
 

@@ -40,9 +40,10 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import plan as planlib
+from tapas_jax.trace import key_path_str
 
-__all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "from_json", "load", "save",
-           "to_json"]
+__all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "bind_specs", "from_json",
+           "load", "save", "to_json"]
 
 SCHEMA = "tapas_jax.plan"
 VERSION = 1
@@ -97,6 +98,40 @@ class StoredNode:
     name = self.type_name.rsplit(".", 1)[-1]
     return f"{name}(" + ", ".join(f"{k}={c!r}" for (_, k), c in
                                  zip(self.keys, self.children)) + ")"
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def bind_specs(specs: Any, arg: Any, where: str, plan_name: str = "tapas") -> Any:
+  """`specs` in `arg`'s pytree structure.
+
+  A plan loaded from a file holds stand-ins for the pytree node types JSON cannot
+  rebuild (a flax `TrainState`, optax states, nnx `State`); they are bound to the
+  argument's own node types when the key paths of the leaves agree one for one.
+
+  Raises:
+    ValueError: the leaves' key paths differ; names the first that does.
+  """
+  have = jax.tree.structure(arg)
+  if jax.tree.structure(specs, is_leaf=_is_spec) == have:
+    return specs
+  spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+  arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+  spec_paths = [key_path_str(p) for p, _ in spec_leaves]
+  arg_paths = [key_path_str(p) for p, _ in arg_leaves]
+  if spec_paths == arg_paths and all(_is_spec(s) for _, s in spec_leaves):
+    return jax.tree.unflatten(have, [s for _, s in spec_leaves])
+  diff = next((k for k, (a, b) in enumerate(zip(arg_paths, spec_paths)) if a != b),
+              min(len(arg_paths), len(spec_paths)))
+  got = f"'{arg_paths[diff]}'" if diff < len(arg_paths) else "nothing"
+  want = f"'{spec_paths[diff]}'" if diff < len(spec_paths) else "nothing"
+  raise ValueError(
+      f"plan {plan_name!r} was searched for another program: {where} has "
+      f"{len(arg_paths)} leaves, the plan {len(spec_paths)}; leaf {diff} is {got} here and "
+      f"{want} in the plan. Search again with tapas.search(fn, *args, mesh=...) on what "
+      "you run.")
 
 
 # -- writing ----------------------------------------------------------------------

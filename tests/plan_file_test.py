@@ -68,6 +68,11 @@ def test_train_state_specs_round_trip_by_key_path(tmp_path, family):
   # TrainState, optax and nnx nodes come back as stand-ins that bind to the real ones.
   assert isinstance(loaded.in_specs[0], plan_file.StoredNode)
   assert loaded.in_specs[0].type_name.endswith("TrainState")
+  bound = loaded.bind(m.abstract_state(), m.batch_spec(8))
+  assert bound.in_specs == plan.in_specs  # the real TrainState, optax and nnx nodes again
+  with pytest.raises(ValueError, match="argument 1 has 1 leaves, the plan 2; leaf 1 is "
+                     "nothing here and 'targets' in the plan"):
+    loaded.bind(m.abstract_state(), {"inputs": m.batch_spec(8)["inputs"]})
   lowered = tapas.apply(loaded, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
   want = tapas.apply(plan, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
   assert lowered.as_text() == want.as_text()

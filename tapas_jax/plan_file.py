@@ -13,6 +13,16 @@ code), so they come back as `StoredNode`s that keep the type's name, the childre
 keys and their order: `apply` and `place` bind them to the arguments' own node types
 when every leaf's key path agrees.
 
+The file: one JSON object with `schema` ("tapas_jax.plan"), `version` (an int; a
+reader refuses versions newer than its own), `name`, `device`, `fingerprint`, `mesh`
+([axis, size] pairs, in order), `in_specs` (one spec tree per positional argument),
+`kwargs_specs` ([name, spec tree] pairs), `input_types` ([path, "float32[8,64]"]),
+`class_axes`, `layers`, `stats` (the `PlanStats` fields) and `constraints` ({site,
+slot, spec}). A PartitionSpec is a list of null, an axis name or a list of names; a
+spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
+{"tuple": [...]}, {"node": type name, "keys": [[kind, key], ...], "children": [...]}
+or null.
+
 Example:
   >>> import os, tempfile
   >>> import jax, jax.numpy as jnp
@@ -216,7 +226,15 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
 
 def save(plan: planlib.Plan, path: str | os.PathLike) -> None:
   """Writes the plan to `path` as JSON, atomically (temporary file, then rename)."""
-  text = json.dumps(to_json(plan), indent=1, allow_nan=False)
+  try:
+    text = json.dumps(to_json(plan), indent=1, allow_nan=False)
+  except ValueError as e:  # NaN or infinity among the numbers: JSON has neither
+    if isinstance(e, PlanFileError):
+      raise
+    bad = [k for k, v in dataclasses.asdict(plan.stats).items()
+           if isinstance(v, float) and not math.isfinite(v)]
+    raise PlanFileError(f"save: the plan cannot be written as JSON ({e}); stats fields "
+                        f"{bad} are not finite.") from e
   path = os.fspath(path)
   folder = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",

@@ -145,7 +145,8 @@ def place(plan: planlib.Plan, *args: Any, mesh: Any = None,
 
 
 def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
-          donate_argnums: int | Sequence[int] = ()) -> Callable[..., Any]:
+          donate_argnums: int | Sequence[int] = (),
+          donate_argnames: str | Sequence[str] = ()) -> Callable[..., Any]:
   """`fn` jitted to run as the plan says.
 
   Args:
@@ -155,6 +156,8 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
     mesh: a `jax.sharding.Mesh` (Auto axes) with the plan's axes; default: the mesh
       set by `jax.set_mesh` when `apply` is called, else `make_mesh` of the plan's axes
       over the local devices.
+    donate_argnames: arguments to donate by name, as for `jax.jit`: the plan's keyword
+      arguments, or `fn`'s parameters searched positionally.
     donate_argnums: positional arguments to donate, as for `jax.jit` (donate the
       state to update it in place).
 
@@ -176,7 +179,34 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
     raise options.OptionError(f"apply: fn must be callable, got {type(fn).__name__}; "
                               "pass the step searched: tapas.apply(plan, step).")
   donate = options.donate_argnums(donate_argnums, len(plan.in_specs))
-  return _Applied(plan, fn, mesh, donate)
+  donate += _donated_names(plan, fn, donate_argnames)
+  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))))
+
+
+def _donated_names(plan: planlib.Plan, fn, names: str | Sequence[str]) -> tuple[int, ...]:
+  """Positions, in the flat arguments the jitted program takes, of the named ones."""
+  names = (names,) if isinstance(names, str) else tuple(names)
+  if not all(isinstance(n, str) for n in names):
+    raise options.OptionError(f"apply: donate_argnames={names!r} must be a name or a "
+                              "sequence of names.")
+  try:
+    params = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  positional = params[:len(plan.in_specs)]
+  keywords = sorted(plan.kwargs_specs)
+  out = []
+  for name in names:
+    if name in keywords:
+      out.append(len(plan.in_specs) + keywords.index(name))
+    elif name in positional:
+      out.append(positional.index(name))
+    else:
+      raise options.OptionError(
+          f"apply: donate_argnames names {name!r}, which is not an argument of the plan "
+          f"(positional {positional or len(plan.in_specs)}, keywords {keywords}).")
+  return tuple(out)
 
 
 class _Applied:

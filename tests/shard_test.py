@@ -289,6 +289,37 @@ def test_linen_module_plan_costs_backward_and_optimizer():
   assert len(adam_like) == 1 + 2 * len(jax.tree.leaves(variables["params"]))
 
 
+class Norm(nn.Module):
+  """Keyword options of __call__ (static) and a mutable collection."""
+
+  @nn.compact
+  def __call__(self, x, *, train=False):
+    h = nn.Dense(32)(x)
+    return nn.BatchNorm(use_running_average=not train)(h)
+
+
+def test_linen_static_keywords_and_mutable_collections():
+  sharded = tapas.shard(Norm, mesh=MESH, device="cpu")()
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  variables = sharded.init(jax.random.key(0), x, train=False)
+  plain = Norm().init(jax.random.key(0), x, train=False)
+  assert set(variables) == {"params", "batch_stats"}
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(sharded.apply(variables, x, train=False),
+                             Norm().apply(plain, x, train=False), rtol=1e-5, atol=1e-6)
+  out, stats = sharded.apply(variables, x, train=True, mutable=["batch_stats"])
+  ref_out, ref_stats = Norm().apply(plain, x, train=True, mutable=["batch_stats"])
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(ref_stats)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # As in linen, updating a collection not marked mutable is an error, not a no-op.
+  with pytest.raises(tapas.TraceError, match="collection \"batch_stats\" is immutable"):
+    sharded.apply(variables, x, train=True)
+  with pytest.raises(TypeError, match=r"\['method'\] are not supported"):
+    sharded.apply(variables, x, method="encode")
+
+
 def test_zoo_gpt_linen_init_and_apply():
   m = models.get_model("gpt", "tiny")
   module = m.family.make_module(m.config)

@@ -112,3 +112,8 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
     with ctx:
       out = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def is_tracer(x: Any) -> bool:
+  """Whether x is a traced value (inside jit, grad, ...) rather than a concrete array."""
+  return isinstance(x, jax.core.Tracer)

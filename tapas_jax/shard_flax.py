@@ -73,6 +73,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax import api
 from tapas_jax import cost as costlib
 from tapas_jax import plan as planlib
@@ -415,7 +416,7 @@ def shard_nnx(cls: type, search: SearchOptions, *, loss_fn: Callable | None = No
     """The module's call; outside a trace, jitted and constrained by `forward_plan`."""
     graphdef, params, rest = nnx.split(self, nnx.Param, ...)
     leaves = jax.tree.leaves((params, rest, inputs))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(jx.is_tracer(x) for x in leaves):
       # Inside the caller's jit or tapas.shard step: that program's plan governs.
       return super(Sharded, self).__call__(*inputs, **kwargs)
     plan, _, applied = _planned_call(graphdef, params, rest, inputs, kwargs)

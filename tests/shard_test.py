@@ -320,6 +320,24 @@ def test_linen_static_keywords_and_mutable_collections():
     sharded.apply(variables, x, method="encode")
 
 
+def test_module_loss_and_optimizer_can_be_given():
+  seen = []
+
+  def loss_fn(outputs, x):
+    seen.append((outputs.shape, x.shape))
+    return jnp.mean(jnp.abs(outputs - x[:, :64]))
+
+  sharded = tapas.shard(MLP, mesh=MESH, device="cpu", loss_fn=loss_fn,
+                        optimizer=optax.sgd(0.1, momentum=0.9))()
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  variables = jax.eval_shape(MLP().init, jax.random.key(0), x)
+  plan = sharded.plan_for(variables, x)
+  assert seen == [((64, 64), (64, 128))], "the step searched calls the given loss"
+  # SGD with momentum keeps one trace per parameter and no step count.
+  assert len(jax.tree.leaves(plan.opt_state)) == len(jax.tree.leaves(variables["params"]))
+  assert plan.optimizer is not None and sharded.plan_for(variables, x) is plan
+
+
 def test_zoo_gpt_linen_init_and_apply():
   m = models.get_model("gpt", "tiny")
   module = m.family.make_module(m.config)

@@ -123,6 +123,18 @@ def test_mesh_from_context_else_default(searches):
   assert len(searches) == 2, "another mesh, another plan"
 
 
+def test_composes_with_grad_and_jit():
+  f = tapas.shard(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2), mesh=MESH, device="cpu")
+  g = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+  x = jax.random.normal(jax.random.key(1), (256, 64))
+  ref = jax.grad(g)(w, x)
+  # float32 sums over the batch in another order: tolerance scaled by the gradient.
+  np.testing.assert_allclose(jax.grad(f)(w, x), ref, rtol=1e-5,
+                             atol=1e-5 * float(jnp.abs(ref).max()))
+  np.testing.assert_allclose(jax.jit(f)(w, x), g(w, x), rtol=1e-5)
+
+
 def test_bare_decorator_and_varargs():
   @tapas.shard
   def total(*arrays, **named):

@@ -289,7 +289,8 @@ class ShardedFunction:
     return (slot.index is not None and slot.index in wanted) or key in names
 
   def _split(self, args, kwargs):
-    """(key, dynamic values, the function of the dynamic values, donated positions)."""
+    """(key, dynamic values, their abstract values, the function of the dynamic values,
+    donated positions among them)."""
     slots = self._slots(args, kwargs)
     count = sum(1 for s, _ in slots if s.index is not None)
     statics, dynamic, donated, layout = {}, [], [], []

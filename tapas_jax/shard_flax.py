@@ -15,11 +15,12 @@ linen: `Sharded = tapas.shard(MyModule)` is a subclass of `MyModule`:
     (`jax.eval_shape`: nothing allocated) and runs `jax.jit(init,
     out_shardings=plan)`: every variable is made where the plan stores it, never
     whole on one device first;
-  - `.apply(variables, *inputs, mutable=False, **static_kwargs)` is a jitted call whose variables
-    and inputs enter in the plan's layouts (moved there if they are elsewhere) and
-    whose inside is constrained by `forward_plan`: the train plan's choice of mesh
-    axes per dimension class, applied to the forward's own program (no new search:
-    a forward-only search would pick layouts that ignore backward and optimizer);
+  - `.apply(variables, *inputs, mutable=False, **static_kwargs)` is a jitted call
+    whose variables and inputs enter in the plan's layouts (moved there if they are
+    elsewhere) and whose inside is constrained by `forward_plan`: the train plan's
+    mesh axes per dimension class, applied to the forward's own program (no new
+    search: a forward-only search would pick layouts that ignore backward and the
+    optimizer; classes no input reaches stay unsplit);
   - `.plan_for(variables, *inputs)` gives the `ModulePlan` (plan and shardings).
   Used as a submodule of another module it is the plain module: only the top-level
   `init`/`apply` are sharded.
@@ -37,14 +38,15 @@ call and that program's plan governs. `Sharded.plan` / `Sharded.module_plan` are
 last plan made.
 
 Optimizer state: `optax` made eagerly from sharded params follows their shardings
-(zeros_like keeps a concrete array's sharding); under `jax.jit` it does not (the
-moments come out on one device), so use `optimizer_state(optimizer, params)`, which
-jits `optimizer.init` with the params' shardings as `out_shardings`.
+(zeros_like keeps a concrete array's sharding; so does `nnx.Optimizer`); under
+`jax.jit` it does not (jax 0.10.2: the moments come out on one device), so use
+`optimizer_state(optimizer, params)`, which jits `optimizer.init` with the params'
+shardings as `out_shardings`.
 
 Not supported: linen `init`/`apply` with `rngs=` (dropout), `method=` or
-`capture_intermediates=` (run the plain
-module inside your own `@tapas.shard` train step), modules whose forward needs rngs
-(dropout) during the search, and sharding a submodule on its own.
+`capture_intermediates=`, and modules whose forward needs rngs during the search
+(run the plain module inside your own `@tapas.shard` train step instead); sharding
+a submodule on its own; a label-aware default loss (give `loss_fn`).
 
 Example:
   >>> import jax, jax.numpy as jnp

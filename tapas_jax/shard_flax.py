@@ -22,6 +22,9 @@ linen: `Sharded = tapas.shard(MyModule)` is a subclass of `MyModule`:
     search: a forward-only search would pick layouts that ignore backward and the
     optimizer; classes no input reaches stay unsplit);
   - `.plan_for(variables, *inputs)` gives the `ModulePlan` (plan and shardings).
+  The plan is for the shapes `init` gets, or for `example_inputs=` when given: init
+  with a batch of one and the plan is one for a batch of one. `apply` on other
+  shapes searches their plan, and moves variables stored otherwise on every call.
   Used as a submodule of another module it is the plain module: only the top-level
   `init`/`apply` are sharded.
 
@@ -165,10 +168,8 @@ def shard_class(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
     TypeError: `cls` is not a flax module class, or an option does not fit it.
   """
   if issubclass(cls, nn.Module):
-    if example_inputs is not None:
-      raise TypeError(f"shard: example_inputs is for nnx modules; the linen module "
-                      f"{cls.__name__} is planned on the inputs given to init")
-    return shard_linen(cls, search, loss_fn=loss_fn, optimizer=optimizer)
+    return shard_linen(cls, search, loss_fn=loss_fn, optimizer=optimizer,
+                       example_inputs=example_inputs)
   if issubclass(cls, nnx.Module):
     return shard_nnx(cls, search, loss_fn=loss_fn, optimizer=optimizer,
                      example_inputs=example_inputs)
@@ -284,8 +285,14 @@ def _split_collections(variables) -> tuple[Any, dict]:
 
 
 def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = None,
-                optimizer: optax.GradientTransformation | None = None) -> type:
-  """A subclass of the linen module `cls` whose `init` and `apply` follow a plan."""
+                optimizer: optax.GradientTransformation | None = None,
+                example_inputs: Any = None) -> type:
+  """A subclass of the linen module `cls` whose `init` and `apply` follow a plan.
+
+  `example_inputs` (optional): the inputs to plan for, when `init` gets others (a
+  batch of one, say): arrays or ShapeDtypeStructs, or a function of the module
+  returning them.
+  """
   cache: dict = {}
   forwards: dict = {}  # (id of a ModulePlan, static kwargs) -> the applied forward
 
@@ -313,7 +320,10 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
     def _init_jit(self, rngs, inputs, kwargs):
       base_init = super(Sharded, self).init
       variables = jax.eval_shape(lambda r, *i: base_init(r, *i, **kwargs), rngs, *inputs)
-      plan = self.plan_for(variables, *inputs, **kwargs)
+      planned = inputs
+      if example_inputs is not None:
+        planned = example_inputs(self) if callable(example_inputs) else example_inputs
+      plan = self.plan_for(variables, *planned, **kwargs)
       jitted = jax.jit(lambda r, *i: _split_collections(base_init(r, *i, **kwargs)),
                        out_shardings=(plan.params, plan.state))
       return plan, jitted

@@ -332,6 +332,23 @@ def test_linen_static_keywords_and_mutable_collections():
     sharded.apply(variables, x, method="encode")
 
 
+def test_linen_plans_for_example_inputs_not_the_init_batch(searches):
+  batch = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  sharded = tapas.shard(MLP, mesh=MESH, device="cpu", example_inputs=(batch,))()
+  one = jnp.ones((1, 64))
+  variables = sharded.init(jax.random.key(0), one)
+  assert len(searches) == 1
+  plan = sharded.plan_for(variables, batch)
+  assert len(searches) == 1, "init planned for example_inputs"
+  for leaf, want in zip(jax.tree.leaves(variables["params"]), jax.tree.leaves(plan.params)):
+    assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+  x = jax.random.normal(jax.random.key(1), (64, 64))
+  np.testing.assert_allclose(sharded.apply(variables, x),
+                             MLP().apply(MLP().init(jax.random.key(0), one), x),
+                             rtol=1e-5, atol=1e-6)
+  assert len(searches) == 1
+
+
 def test_module_loss_and_optimizer_can_be_given():
   seen = []
 
@@ -459,7 +476,5 @@ def test_nnx_zoo_gpt_constructs_sharded():
 def test_nnx_needs_example_inputs():
   with pytest.raises(TypeError, match="needs example_inputs"):
     tapas.shard(NnxMLP)
-  with pytest.raises(TypeError, match="example_inputs is for nnx"):
-    tapas.shard(MLP, example_inputs=(jnp.ones(3),))
   with pytest.raises(TypeError, match="apply to functions"):
     tapas.shard(MLP, donate_argnums=0)

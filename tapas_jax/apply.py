@@ -294,10 +294,10 @@ def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tup
   return tuple(bound.arguments[name] for name in positional), rest
 
 
-def _committed_elsewhere(where: Sequence[str], values: Sequence[Any],
+def _committed_elsewhere(names: Sequence[str], values: Sequence[Any],
                          shardings: Sequence[Any]) -> str | None:
   """Names the first argument leaf committed to another sharding than the plan's."""
-  for where, value, tree in zip(where, values, shardings):
+  for where, value, tree in zip(names, values, shardings):
     leaves = jax.tree_util.tree_flatten_with_path(value)[0]
     for (path, leaf), want in zip(leaves, jax.tree.leaves(tree)):
       have = getattr(leaf, "sharding", None)

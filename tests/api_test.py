@@ -1,6 +1,7 @@
 """The public surface is small and pinned."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import tapas_jax as tapas
@@ -17,7 +18,11 @@ def test_public_api_is_pinned():
 def test_stage_functions_are_importable_from_their_modules():
   from tapas_jax.fold import fold
   from tapas_jax.trace import trace
-  assert callable(trace) and callable(fold)
+  graph = trace(lambda x: jnp.sum(x * 2), jax.ShapeDtypeStruct((4, 4), jnp.float32))
+  folded = fold(graph)
+  assert isinstance(graph, tapas.Graph) and isinstance(folded, tapas.Folded)
+  assert [op.primitive for op in graph.ops] == ["mul", "reduce_sum"]
+  assert folded.graph is graph
   assert tapas.trace.trace is trace and tapas.fold.fold is fold
 
 

@@ -26,6 +26,10 @@ STATS = {"num_equations", "num_layer_instances", "num_unique_layers", "trace_s",
          "search_s", "predicted_step_s", "predicted_comm_bytes", "predicted_memory_bytes"}
 
 
+# HiGHS stops within this relative gap of its bound (scipy's default `mip_rel_gap`).
+MIP_REL_GAP = 1e-4
+
+
 def is_spec(x):
   return isinstance(x, PartitionSpec)
 
@@ -136,13 +140,15 @@ def test_folded_equals_unfolded_integer_program(name, overrides):
   folded = solver.solve(folded_problem)
   unfolded = solver.solve(unfolded_problem, reuse=False, solver="ilp", time_limit=120)
   assert unfolded.status == "optimal"
-  # The folded objective estimates the whole program (edge copies kept, interior copies
-  # counted by weight); T5's shared encoder output makes it 1.4% optimistic.
-  assert folded.step_s == pytest.approx(unfolded.step_s, rel=0.02)
-  # The folded plan, costed on the whole program, is as good as the reference.
+  # Interior copies counted by weight, edge copies kept: the folded objective is the
+  # whole program's (measured equal to 1e-13 on every case here, T5's shared encoder
+  # output included). Elimination is exact; HiGHS is optimal to its relative gap.
+  assert folded.step_s <= unfolded.step_s * (1 + 1e-9)
+  assert unfolded.step_s <= folded.step_s * (1 + MIP_REL_GAP)
+  # The folded plan, costed on the whole program, costs what the folded search said.
   check = solver.evaluate(unfolded_problem, _as_unfolded(folded_problem, unfolded_problem,
                                                              folded.choice))
-  assert check.step_s == pytest.approx(unfolded.step_s, rel=0.01)
+  assert check.step_s == pytest.approx(folded.step_s, rel=1e-9)
   assert folded.tables_built < unfolded.tables_built  # folding is what saved the work
 
 

@@ -28,7 +28,7 @@ import tapas_jax as tapas
 from tapas_jax import api, models, solver
 from tapas_jax.solver.budget import fit_budget
 from tapas_jax.solver.eliminate import eliminate
-from tapas_jax.solver.ilp import solve_ilp
+from tapas_jax.solver.ilp import IlpResult, solve_ilp
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
 # HiGHS stops once its incumbent is within this relative gap of its bound (scipy's
@@ -141,7 +141,7 @@ class BudgetCase:
   fit: solver.BudgetResult
   fit_time: float
   fit_mem: float    # brute-force memory of the bisection's plan
-  ilp: object
+  ilp: IlpResult
   ilp_time: float
   ilp_mem: float
   budget: float
@@ -203,11 +203,12 @@ def test_lagrange_bisection_fits_or_says_why(seed):
   assert case.fit_time - case.opt <= fit.weight * (case.budget - fit.used_bytes) + 1e-9
 
 
-
 def test_budget_instances_cover_every_regime():
   """The seeds above hold infeasible budgets, binding ones, and a Lagrange gap (a plan
-  within the budget no weight reaches); measured on 1000 seeds: 7% of feasible ones
-  have a gap, median 3%, largest 29%, so no bound on it is asserted."""
+  within the budget no weight reaches). Measured on seeds 0-999 (before `repair`, which
+  needs a traced problem): 61 of 825 feasible instances have a gap; among those the
+  median is 3%, the 90th percentile 11%, the largest 29%. Nothing bounds it a priori
+  beyond the certificate above, so no bound is asserted."""
   cases = [budget_case(seed) for seed in BUDGET_SEEDS]
   feasible = [c for c in cases if math.isfinite(c.opt)]
   assert len(feasible) < len(cases)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tapas_jax import fold
 from tapas_jax import trace
 from tapas_jax.api import search
-from tapas_jax.apply import apply, place
+from tapas_jax.apply import apply, place, remat_policy
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan, PlanStats
@@ -48,6 +48,7 @@ __all__ = [
     "make_mesh",
     "models",
     "place",
+    "remat_policy",
     "search",
     "shard",
     "trace",

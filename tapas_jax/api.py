@@ -157,7 +157,7 @@ def search(fn, *args, mesh, device: str | None = None,
   cache: dict = {}
   solution = solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
                              memory_budget=memory_budget, time_limit=time_limit,
-                             table_cache=cache)
+                             table_cache=cache, folded=prepared.folded)
   search_s = prepared.prepare_s + time.perf_counter() - start
   from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
   return planlib.make_plan(prepared.problem, prepared.folded, solution, args,

@@ -36,7 +36,7 @@ from tapas_jax import plan_file
 from tapas_jax import trace as tracelib
 from tapas_jax.mesh import MeshError, make_mesh
 
-__all__ = ["apply", "place"]
+__all__ = ["apply", "place", "remat_policy"]
 
 
 def _is_spec(x) -> bool:
@@ -243,7 +243,8 @@ class _Applied:
           fn, *flat[:num_positional], kwargs=dict(zip(names, flat[num_positional:])))
       _check_program(plan, graph)
       jaxpr, consts = jx.open_jaxpr(closed)
-      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {})
+      remat = _Recompute.of(plan, graph, pins)
+      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat)
       # The next state stays where its input is stored, so the next step moves nothing.
       flat_in = jax.tree.leaves(in_shardings)
       for k, j in graph.carried:
@@ -334,9 +335,11 @@ def _check_program(plan: planlib.Plan, graph) -> None:
       "tapas.search(fn, *args, mesh=...) on what you run.")
 
 
-def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict) -> list[Any]:
+def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
+               remat: "_Recompute | None" = None) -> list[Any]:
   """Evaluates a jaxpr, pinning the operands `pins` names; inlines call-like equations
-  exactly as `trace` does, so equation sites match `Op.site`."""
+  exactly as `trace` does, so equation sites match `Op.site`. With `remat`, backward
+  equations of rematerialised layers read recomputed forward values."""
   env: dict = {}
 
   def read(atom):
@@ -347,13 +350,15 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict) -> l
   for i, eqn in enumerate(jaxpr.eqns):
     here = site + (i,)
     invals = [read(a) for a in eqn.invars]
+    if remat is not None:  # before the pins: a recomputed copy is read pinned too
+      invals = remat.read(here, eqn, invals)
     for slot, sharding in pins.get(here, ()):
       invals[slot] = _pinned(invals[slot], sharding, memo)
     subs = list(jx.sub_jaxprs(eqn))
     if len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
       key, idx, sub = subs[0]
       body, body_consts = jx.open_jaxpr(sub)
-      outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo)
+      outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat)
     else:
       outs = jx.bind_eqn(eqn, invals)
     env.update(zip(eqn.outvars, outs))
@@ -366,3 +371,107 @@ def _pinned(value, sharding: NamedSharding, memo: dict):
   if key not in memo:
     memo[key] = (value, jax.lax.with_sharding_constraint(value, sharding))
   return memo[key][1]
+
+
+class _Recompute:
+  """The plan's rematerialisation, done while the program is re-interpreted.
+
+  The program already holds its backward pass, so `jax.checkpoint` cannot be wrapped
+  around a layer any more; this does what its partial evaluation would have done. Each
+  forward equation a rematerialised layer recomputes is remembered as it runs (with
+  the values it read); at the layer's first backward read of such a value, the
+  equations run again on the saved values they read, and the backward reads the new
+  copies. As `jax.checkpoint(prevent_cse=True)` does, the saved values pass through
+  `jax.lax.optimization_barrier` first, so XLA cannot merge the copies with the
+  originals (which would undo the remat); the barrier also takes the backward
+  equation's other operands (the cotangent), so the recomputation cannot start before
+  the backward reaches the layer.
+  """
+
+  def __init__(self, graph, remats, pins):
+    self.graph, self.remats, self.pins = graph, remats, pins
+    self.capture = {graph.ops[i].site: i for r in remats for i in r.recompute}
+    self.readers: dict[tuple, tuple[int, list[tuple[int, int]]]] = {}
+    for k, r in enumerate(remats):
+      for b, slot in r.reads:
+        self.readers.setdefault(graph.ops[b].site, (k, []))[1].append(
+            (slot, graph.ops[b].inputs[slot]))
+    self.seen: dict[int, tuple[Any, list[Any]]] = {}
+    self.done: dict[int, dict[int, Any]] = {}
+
+  @classmethod
+  def of(cls, plan: planlib.Plan, graph, pins) -> "_Recompute | None":
+    if not plan.remat:
+      return None
+    from tapas_jax import fold as foldlib  # noqa: PLC0415 - only plans with remat fold
+    from tapas_jax.solver import remat as rematlib  # noqa: PLC0415
+    folded = foldlib.fold(graph)
+    names = {u.name: u.index for u in folded.unique_layers}
+    remats = []
+    for layer, policy in plan.remat:
+      if layer not in names:
+        raise ValueError(f"apply: plan {plan.name!r} rematerialises layer {layer!r}, but "
+                         f"this program's unique layers are {sorted(names)}. Search again "
+                         "on this program.")
+      remats += rematlib.layer_remats(folded, names[layer], policy)
+    return cls(graph, remats, pins)
+
+  def read(self, site: tuple, eqn, invals: list[Any]) -> list[Any]:
+    """The operands an equation reads: recomputed copies where the plan says so."""
+    if site in self.capture:
+      self.seen[self.capture[site]] = (eqn, list(invals))
+    if site not in self.readers:
+      return invals
+    k, switched = self.readers[site]
+    invals = list(invals)
+    if k not in self.done:
+      mine = {slot for slot, _ in switched}
+      others = [j for j, x in enumerate(invals) if j not in mine and isinstance(x, jax.Array)]
+      copies, anchors = self._recompute(k, [invals[j] for j in others])
+      self.done[k] = copies
+      for j, x in zip(others, anchors):
+        invals[j] = x
+    for slot, v in switched:
+      invals[slot] = self.done[k][v]
+    return invals
+
+  def _recompute(self, k: int, anchors: list[Any]) -> tuple[dict[int, Any], list[Any]]:
+    g, r = self.graph, self.remats[k]
+    mine = set(r.recompute)
+    saved: dict[int, Any] = {}
+    for p in r.recompute:
+      _, vals = self.seen[p]
+      for v, x in zip(g.ops[p].inputs, vals):
+        if g.producer.get(v) not in mine and isinstance(x, jax.Array):
+          saved.setdefault(id(x), x)
+    kept, anchors = jax.lax.optimization_barrier((list(saved.values()), list(anchors)))
+    kept = dict(zip(saved, kept))
+    copies: dict[int, Any] = {}
+    for p in r.recompute:
+      eqn, vals = self.seen[p]
+      op = g.ops[p]
+      ins = [copies[v] if g.producer.get(v) in mine else kept.get(id(x), x)
+             for v, x in zip(op.inputs, vals)]
+      for slot, sharding in self.pins.get(op.site, ()):
+        ins[slot] = jax.lax.with_sharding_constraint(ins[slot], sharding)
+      copies.update(zip(op.outputs, jx.bind_eqn(eqn, ins)))
+    return copies, list(anchors)
+
+
+def remat_policy(plan: planlib.Plan, layer: str):
+  """The `jax.checkpoint` policy a plan gives a unique layer, or None (no remat).
+
+  `tapas.apply` already rematerialises the plan's layers in the program it runs; this
+  is for building a model with the plan's choice yourself (`nn.remat(Block,
+  policy=...)`, `jax.checkpoint(f, policy=...)`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import tapas_jax as tapas
+    >>> plan = tapas.search(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 8)),
+    ...                     jnp.ones((64, 8)), mesh={"data": 8}, device="cpu")
+    >>> print(tapas.remat_policy(plan, "Block"))  # no budget: no remat
+    None
+  """
+  policy = dict(plan.remat).get(layer)
+  return None if policy is None else getattr(jax.checkpoint_policies, policy)

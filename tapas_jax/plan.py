@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 from tapas_jax import cost as costlib
 from tapas_jax.fold import Folded
 from tapas_jax.solver import Problem, Solution
-from tapas_jax.solver import memory, tables
+from tapas_jax.solver import memory, remat, tables
 
 __all__ = ["Constraint", "LayerStrategy", "Plan", "PlanStats", "make_plan"]
 
@@ -166,6 +166,9 @@ class Plan:
     decisions: every kind of dimension with a choice: what was chosen and why.
     baselines: expert layouts costed side by side (searched plans carry data
       parallel and FSDP).
+    remat: (unique layer name, `jax.checkpoint_policies` name) of the layers whose
+      backward recomputes their forward ("dots_saveable": all but dot outputs,
+      "nothing_saveable": all of it); `apply` does it, `remat_policy` gives the policy.
   """
 
   mesh_axes: Mapping[str, int]
@@ -181,6 +184,7 @@ class Plan:
   input_types: tuple[tuple[str, str], ...] = ()
   decisions: tuple[Decision, ...] = ()
   baselines: tuple[BaselineFigures, ...] = ()
+  remat: tuple[tuple[str, str], ...] = ()
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -252,6 +256,10 @@ class Plan:
               "its cost"]
     split = [d for d in self.decisions if d.axes]
     kept = [d for d in self.decisions if not d.axes]
+    for layer, policy in self.remat:
+      lines.append(f"  rematerialise {layer}: jax.checkpoint policy {policy}")
+    if self.remat:
+      lines.append("")
     for d in split + kept[:_REPLICATED_ROWS]:
       lines.append(f"  {_fit(d.name, 38):<38} {d.size:>7}  {'x'.join(d.axes) or '-':<10} "
                    f"{d.why}")
@@ -385,7 +393,8 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       predicted_step_s=solution.step_s,
       predicted_comm_bytes=solution.comm_bytes,
       predicted_state_bytes=solution.state_bytes,
-      predicted_memory_bytes=solution.state_bytes + _activation_peak(problem, solution),
+      predicted_memory_bytes=solution.state_bytes + _activation_peak(problem, solution,
+                                                                     folded),
       cost_tables_built=solution.tables_built,
       solver_status=solution.status,
   )
@@ -396,7 +405,8 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
               constraints=_constraints(problem, solution, fixed),
               kwargs_specs=kwargs_specs,
               input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs),
-              decisions=decisions(problem, solution), baselines=tuple(baselines))
+              decisions=decisions(problem, solution), baselines=tuple(baselines),
+              remat=remat.policy_names(folded, solution.remat))
 
 
 def memory_bytes(problem: Problem, solution: Solution) -> float:
@@ -517,6 +527,11 @@ def _constraints(problem: Problem, solution: Solution,
   return tuple(out)
 
 
-def _activation_peak(problem: Problem, solution: Solution) -> float:
+def _activation_peak(problem: Problem, solution: Solution, folded: Folded | None = None
+                     ) -> float:
   """Peak per-device bytes of live intermediate values over the top-level program."""
-  return memory.activation_peak(problem, memory.activations(problem), solution.choice)[0]
+  acts = memory.activations(problem)
+  if solution.remat and folded is not None:
+    acts = remat.with_remat(problem, acts, [r for u, p in solution.remat.items()
+                                            for r in remat.layer_remats(folded, u, p)])
+  return memory.activation_peak(problem, acts, solution.choice)[0]

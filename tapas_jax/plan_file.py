@@ -50,6 +50,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import plan as planlib
+from tapas_jax.solver import remat as rematlib
 from tapas_jax.trace import key_path_str
 
 __all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "bind_specs", "from_json",
@@ -228,6 +229,7 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
                                         (("step_s", b.step_s), ("comm_bytes", b.comm_bytes),
                                          ("memory_bytes", b.memory_bytes))}}
                     for b in plan.baselines],
+      "remat": [[layer, policy] for layer, policy in plan.remat],
   }
 
 
@@ -388,7 +390,7 @@ def _jsonable(value: Any) -> bool:
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
-        "decisions", "baselines"}
+        "decisions", "baselines", "remat"}
 
 
 def from_json(data: Any, source: str = "plan") -> planlib.Plan:
@@ -491,13 +493,20 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
                for k in ("step_s", "comm_bytes", "memory_bytes")}
     baselines.append(planlib.BaselineFigures(
         name=r.string(r.field(b, "name", f"{where}.name"), f"{where}.name"), **figures))
+  remat = []
+  for j, item in enumerate(r.array(data.get("remat", []), "remat")):  # optional: older
+    layer, policy = r.pair(item, f"remat[{j}]")                      # files have none
+    policy = r.string(policy, f"remat[{j}][1]")
+    if policy not in rematlib.POLICIES:
+      raise r.fail(f"remat[{j}][1]", f"one of {rematlib.POLICIES}", policy)
+    remat.append((r.string(layer, f"remat[{j}][0]"), policy))
   return planlib.Plan(
       mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
       in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
       stats=planlib.PlanStats(**values), fingerprint=fingerprint,
       name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
       kwargs_specs=kwargs_specs, input_types=tuple(input_types),
-      decisions=tuple(decisions), baselines=tuple(baselines))
+      decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat))
 
 
 def _open_at_end(text: str) -> bool:

@@ -37,6 +37,7 @@ from tapas_jax.solver.explain import Reason, reasons
 from tapas_jax.solver.eliminate import (TooEntangled, eliminate, reduced_domains, restrict,
                                         take)
 from tapas_jax.solver.ilp import solve_ilp
+from tapas_jax.solver import remat as rematlib
 from tapas_jax.solver.memory import activations, memory_tables
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
@@ -60,6 +61,9 @@ class Solution:
     memory_weight: final Lagrange weight on state bytes (0 without a budget).
     status: "optimal", or "time_limit" when the integer program stopped early.
     reasons: class id -> its best single alternative, priced (`explain.reasons`).
+    remat: unique layer index -> `jax.checkpoint` policy name, for the layers
+      rematerialised (`solver.remat`; chosen only under a budget); `step_s` includes
+      their recompute.
   """
 
   choice: Mapping[int, tuple[str, ...]]
@@ -71,11 +75,12 @@ class Solution:
   memory_weight: float
   status: str = "optimal"
   reasons: Mapping[int, Reason] = dataclasses.field(default_factory=dict)
+  remat: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
           memory_budget: float | None = None, time_limit: float | None = None,
-          table_cache: dict | None = None) -> Solution:
+          table_cache: dict | None = None, folded=None) -> Solution:
   """Minimises predicted step time over class-to-axes choices, exactly.
 
   Args:
@@ -92,6 +97,8 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
       "time_limit" when it stopped early.
     table_cache: cost tables already built for this problem (shared with `evaluate`
       so that costing baselines next to the plan rebuilds nothing); with `reuse`.
+    folded: the program's `fold.Folded`; given, under a budget, rematerialisation per
+      unique layer is chosen with the sharding (`solver.remat.choose`).
 
   Raises:
     InfeasibleBudgetError: no choice meets the budget.
@@ -104,10 +111,20 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   tables = all_tables(problem, builder)
   objective = _Objective(problem, tables, memory_tables(problem))
   acts = activations(problem) if memory_budget is not None else None
-  if solver == "elimination":
-    result = _by_elimination(problem, objective, acts, memory_budget)
+
+  def attempt(tables, acts):
+    posed = _Objective(problem, tables, objective.memory)
+    if solver == "elimination":
+      return _by_elimination(problem, posed, acts, memory_budget)
+    return _by_ilp(problem, posed, acts, memory_budget, time_limit)
+
+  modes = {}
+  if acts is not None and folded is not None:
+    result, modes, tables, acts = rematlib.choose(problem, folded, builder, tables, acts,
+                                                  attempt)
+    objective = _Objective(problem, tables, objective.memory)
   else:
-    result = _by_ilp(problem, objective, acts, memory_budget, time_limit)
+    result = attempt(tables, acts)
   if not result.fits:
     raise budget_error(problem, memory_budget, result.used_bytes, result.largest_live)
   assignment = result.assignment
@@ -119,7 +136,7 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   tables_built=builder.built, solve_s=time.perf_counter() - start,
                   memory_weight=result.weight, status=result.status,
-                  reasons=reasons(problem, tables, assignment))
+                  reasons=reasons(problem, tables, assignment), remat=modes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +214,7 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
              input_layouts: Mapping[int, costlib.Layout] | None = None,
-             table_cache: dict | None = None) -> Solution:
+             table_cache: dict | None = None, folded=None) -> Solution:
   """Predicted cost of a given class choice (and optional fixed input layouts).
 
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.

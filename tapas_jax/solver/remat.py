@@ -1,0 +1,252 @@
+"""Rematerialisation per unique layer, chosen with the sharding under a memory budget.
+
+A train step traced through `jax.grad` already holds its backward pass: the forward
+values the backward reads (residuals) are simply values made by a layer's forward ops
+and read by the same layer's backward ops (`transpose(jvp(...))` in JAX's name stack).
+Rematerialising a layer means: its backward reads recomputed copies instead, made from
+a smaller saved set after the layer's cotangent arrives, so the originals die at the
+end of the forward. Which forward values stay saved is a `jax.checkpoint` policy:
+
+- "everything_saveable": no remat (the plain program);
+- "dots_saveable": dot/conv outputs stay saved, elementwise work is recomputed;
+- "nothing_saveable": the whole forward of the layer is recomputed from its inputs.
+
+The price, under a plan's sharding: the recomputed ops' cost tables (compute /
+shards plus their collectives) once more per step, against the residual bytes / shards
+removed from the activation peak. `choose` tries policies per unique layer, each with
+its own sharding solved under the budget, and keeps the fastest plan that fits.
+`tapas.apply` performs the same recomputation on the program (`apply.py`).
+
+Approximations (stated, not hidden):
+- the recomputed copies are counted live from the layer's first backward read of a
+  recomputed value to their last backward reader; XLA may schedule them otherwise;
+- ops holding loops or branches (a scanned layer stack among them) are never
+  recomputed: they stay saved, so a `nn.scan` stack gets no remat here;
+- without a budget remat only costs time, so it is chosen only under a budget.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import fold, trace
+  >>> from tapas_jax.solver import remat
+  >>> def net(ws, x):
+  ...   for w in ws:
+  ...     x = jnp.tanh(x @ w) + x
+  ...   return jnp.sum(x)
+  >>> g = trace.trace(jax.grad(net), [jax.ShapeDtypeStruct((8, 8), jnp.float32)] * 3,
+  ...                 jax.ShapeDtypeStruct((2, 8), jnp.float32))
+  >>> f = fold.fold(g)
+  >>> r = remat.instance_remat(g, f.instances[1].ops, "nothing_saveable")
+  >>> [g.ops[i].primitive for i in r.recompute]
+  ['dot_general', 'tanh', 'sub']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from tapas_jax.fold import Folded
+from tapas_jax.solver.memory import Activations
+from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
+from tapas_jax.trace import Graph, Op
+
+__all__ = ["POLICIES", "InstanceRemat", "choose", "instance_remat", "layer_remats",
+           "recompute_tables", "with_remat"]
+
+# Policies in order of memory saved; names are `jax.checkpoint_policies` attributes.
+POLICIES = ("everything_saveable", "dots_saveable", "nothing_saveable")
+NO_REMAT = POLICIES[0]
+# Outputs `dots_saveable` keeps (as `jax.checkpoint_policies.dots_saveable`).
+_DOTS = frozenset({"dot_general", "conv_general_dilated"})
+# Up to this many policy combinations are tried exhaustively; beyond, one policy for
+# every remat-able layer at a time.
+MAX_COMBINATIONS = 27
+
+
+def is_forward(op: Op) -> bool:
+  """A primal op of a differentiated program (JAX names it `jvp(...)`)."""
+  return "jvp(" in op.name_stack and "transpose(" not in op.name_stack
+
+
+def is_backward(op: Op) -> bool:
+  """A transposed (backward) op of a differentiated program."""
+  return "transpose(" in op.name_stack
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceRemat:
+  """What rematerialising one layer instance recomputes.
+
+  Attributes:
+    recompute: forward op indices recomputed in the backward, in program order.
+    reads: (backward op index, operand slot) reads switched to recomputed copies.
+    first: the first of those backward ops in program order (recompute happens there).
+  """
+
+  recompute: tuple[int, ...]
+  reads: tuple[tuple[int, int], ...]
+  first: int
+
+
+def _saved(op: Op, policy: str) -> bool:
+  if op.subregions:  # loops and branches are never recomputed (see module doc)
+    return True
+  if policy == "nothing_saveable":
+    return False
+  if policy == "dots_saveable":
+    return op.primitive in _DOTS
+  return True
+
+
+def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRemat | None:
+  """The recomputation of one instance (its top-level ops) under a policy; None when
+  nothing would be recomputed (no backward, or everything saved)."""
+  if policy not in POLICIES:
+    raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
+  mine = set(ops)
+  forward = {i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])
+             and not _saved(graph.ops[i], policy)}
+  producer = graph.producer
+  reads, recompute, stack = [], set(), []
+  for b in ops:
+    op = graph.ops[b]
+    if not is_backward(op):
+      continue
+    for k, v in enumerate(op.inputs):
+      p = producer.get(v)
+      if p in forward and v not in graph.literals:
+        reads.append((b, k))
+        stack.append(p)
+  while stack:
+    p = stack.pop()
+    if p in recompute:
+      continue
+    recompute.add(p)
+    for v in graph.ops[p].inputs:
+      q = producer.get(v)
+      if q in forward and q in mine and v not in graph.literals:
+        stack.append(q)
+  if not reads:
+    return None
+  return InstanceRemat(recompute=tuple(sorted(recompute)), reads=tuple(reads),
+                       first=min(b for b, _ in reads))
+
+
+def layer_remats(folded: Folded, layer: int, policy: str) -> list[InstanceRemat]:
+  """`instance_remat` of every instance of a unique layer (those with something to do)."""
+  out = []
+  for k in folded.unique_layers[layer].instances:
+    r = instance_remat(folded.graph, folded.instances[k].ops, policy)
+    if r is not None:
+      out.append(r)
+  return out
+
+
+def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRemat]
+               ) -> Activations:
+  """The live ranges once these instances are rematerialised: a recomputed value's
+  original dies at its last reader outside the switched reads, and its copy lives
+  from the instance's first switched read to its last one; a value the recomputation
+  reads stays live until then."""
+  if not remats:
+    return acts
+  g = problem.graph
+  pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
+  at = {v: k for k, v in enumerate(acts.values)}
+  start, stop = acts.start.copy(), acts.stop.copy()
+  extra_start, extra_stop, extra_bytes, extra_dims, extra_values = [], [], [], [], []
+  extend: dict[int, int] = {}  # applied last: a new reader outlives any cut above
+  for r in remats:
+    first = pos[r.first]
+    switched: dict[int, set[int]] = {}
+    for b, k in r.reads:
+      switched.setdefault(g.ops[b].inputs[k], set()).add(b)
+    recomputed = set(r.recompute)
+    for p in r.recompute:
+      for v in g.ops[p].inputs:  # what the recomputation reads must still be there
+        if g.producer.get(v) not in recomputed and v in at:
+          extend[at[v]] = max(extend.get(at[v], first), first)
+      for v in g.ops[p].outputs:
+        if v not in at:
+          continue
+        k = at[v]
+        readers = switched.get(v, set())
+        others = [pos[c] for c in g.consumers.get(v, ()) if c in pos and c not in readers]
+        stop[k] = max(others, default=start[k])
+        extra_start.append(first)
+        extra_stop.append(max((pos[b] for b in readers), default=first))
+        extra_bytes.append(acts.nbytes[k])
+        extra_dims.append(acts.dims[k])
+        extra_values.append(v)
+  for k, p in extend.items():
+    stop[k] = max(stop[k], p)
+  return Activations(
+      np.concatenate([start, np.array(extra_start, int)]),
+      np.concatenate([stop, np.array(extra_stop, int)]),
+      np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
+      acts.dims + tuple(extra_dims), acts.length, acts.values + tuple(extra_values))
+
+
+def recompute_tables(problem: Problem, builder: TableBuilder,
+                     remats: Sequence[InstanceRemat]) -> list[Table]:
+  """Cost tables of the recomputed ops the search looks at (the folded view's copies,
+  each weighted by the instances it stands for): their compute and collectives again."""
+  in_view = set(problem.view.ops)
+  out = []
+  for r in remats:
+    for i in r.recompute:
+      if i not in in_view:
+        continue
+      w = problem.view.weight.get(i, 1)
+      op = problem.graph.ops[i]
+      tabs = builder.op_tables(op) + [builder.resolve_table(v) for v in op.outputs]
+      out += [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
+              for t in tabs if t is not None]
+  return out
+
+
+def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list[Table],
+           acts: Activations, attempt: Callable[[list[Table], Activations], object]):
+  """The fastest budgeted plan over remat policies per unique layer.
+
+  Args:
+    tables: the program's cost tables without remat.
+    acts: its activations without remat.
+    attempt: (cost tables, activations) -> a `BudgetResult` under the budget.
+
+  Returns:
+    (result, {unique layer index: policy} of the layers rematerialised, cost tables
+    of the chosen plan, activations of the chosen plan).
+  """
+  layers = [u.index for u in folded.unique_layers
+            if layer_remats(folded, u.index, "nothing_saveable")]
+  combos: list[tuple[str, ...]]
+  if len(POLICIES) ** len(layers) <= MAX_COMBINATIONS:
+    combos = list(itertools.product(POLICIES, repeat=len(layers)))
+  else:
+    combos = [(p,) * len(layers) for p in POLICIES]
+  best = None
+  for combo in combos:
+    modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
+    remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
+    tabs = tables + recompute_tables(problem, builder, remats)
+    here = with_remat(problem, acts, remats)
+    result = attempt(tabs, here)
+    if result.assignment is None:
+      continue
+    step = evaluate_tables(tabs, result.assignment)[0]
+    key = (not result.fits, step if result.fits else result.used_bytes)
+    if best is None or key < best[0]:
+      best = (key, result, modes, tabs, here)
+  if best is None:
+    return attempt(tables, acts), {}, tables, acts
+  return best[1:]
+
+
+def policy_names(folded: Folded, modes: Mapping[int, str]) -> tuple[tuple[str, str], ...]:
+  """(unique layer name, policy) of the layers rematerialised."""
+  return tuple((folded.unique_layers[u].name, p) for u, p in sorted(modes.items()))

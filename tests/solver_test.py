@@ -321,6 +321,7 @@ def plan_record(plan, budget):
       "device": plan.device,
       "memory_budget_bytes": budget,
       "solver_status": plan.stats.solver_status,
+      "remat": [list(r) for r in plan.remat],
       "class_axes": [[ex, size, list(axes)] for ex, size, axes in plan.class_axes],
       **{f: getattr(plan.stats, f) for f in FIGURES},
       "in_specs": specs,
@@ -330,8 +331,8 @@ def plan_record(plan, budget):
 def golden_diff(want, got):
   """Readable lines: what moved between the golden record and the current one."""
   lines = []
-  for key in ("mesh", "device", "solver_status"):
-    if want.get(key) != got[key]:
+  for key in ("mesh", "device", "solver_status", "remat"):
+    if want.get(key, [] if key == "remat" else None) != got[key]:
       lines.append(f"{key}: {want.get(key)!r} -> {got[key]!r}")
   for key in ("memory_budget_bytes",) + FIGURES:
     a, b = want.get(key), got[key]

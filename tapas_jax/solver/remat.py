@@ -62,9 +62,10 @@ POLICIES = ("everything_saveable", "dots_saveable", "nothing_saveable")
 NO_REMAT = POLICIES[0]
 # Outputs `dots_saveable` keeps (as `jax.checkpoint_policies.dots_saveable`).
 _DOTS = frozenset({"dot_general", "conv_general_dilated"})
-# Up to this many policy combinations are tried exhaustively; beyond, one policy for
+# Up to this many policy combinations are tried exhaustively (each is a budgeted
+# solve); beyond, one policy for
 # every remat-able layer at a time.
-MAX_COMBINATIONS = 27
+MAX_COMBINATIONS = 9
 
 
 def is_forward(op: Op) -> bool:

@@ -134,8 +134,13 @@ def parse_strategy(text: str) -> tuple[str, str | None]:
   return text, None
 
 
-def check_workdir(path: str) -> None:
-  """Creates `path` if needed and proves a file can be written there."""
+def check_workdir(path: str) -> bool:
+  """Creates `path` if needed and proves a file can be written there.
+
+  Returns:
+    Whether the directory was created here (so a refused run can remove it).
+  """
+  created = not os.path.exists(path)
   try:
     os.makedirs(path, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
@@ -143,6 +148,7 @@ def check_workdir(path: str) -> None:
   except OSError as e:
     raise LaunchError(f"--workdir={path}: not a writable directory ({e.strerror or e})") \
         from None
+  return created
 
 
 def build_model(config):
@@ -269,7 +275,11 @@ class Settings:
 
 def read_settings() -> Settings:
   """Flags and config, checked; raises LaunchError on the first bad one."""
-  config = _CONFIG.value
+  try:  # the config file may load lazily, on first use
+    config = _CONFIG.value
+    config.family  # noqa: B018 - a config that failed to load raises here
+  except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    raise LaunchError(f"--config: {one_line(e)}") from None
   steps = config.steps if _STEPS.value is None else _STEPS.value
   batch_size = config.batch_size if _BATCH_SIZE.value is None else _BATCH_SIZE.value
   if steps < 1:
@@ -378,7 +388,25 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 
 
 def train(settings: Settings) -> int:
+  """Checks the devices and the workdir, then plans (and trains, unless --plan_only)."""
   jax = start_jax(settings)
+  num_devices = math.prod(settings.mesh_axes.values())
+  mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
+  if not _PLAN_ONLY.value and num_devices > jax.device_count():
+    raise LaunchError(f"--mesh={mesh_text} needs {num_devices} devices and "
+                      f"{jax.device_count()} are available; plan it with --plan_only, or "
+                      f"use a mesh of {jax.device_count()} devices")
+  workdir = settings.workdir
+  created = bool(workdir) and jax.process_index() == 0 and check_workdir(workdir)
+  try:
+    return _train(jax, settings, workdir)
+  except LaunchError:
+    if created and not os.listdir(workdir):  # refused before writing: leave no trace
+      os.rmdir(workdir)
+    raise
+
+
+def _train(jax, settings: Settings, workdir: str | None) -> int:
   import numpy as np  # noqa: PLC0415
   import orbax.checkpoint as ocp  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
@@ -391,13 +419,6 @@ def train(settings: Settings) -> int:
   num_devices = math.prod(settings.mesh_axes.values())
   mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
   what = f"{config.family}:{config.size}"
-  if not _PLAN_ONLY.value and num_devices > jax.device_count():
-    raise LaunchError(f"--mesh={mesh_text} needs {num_devices} devices and "
-                      f"{jax.device_count()} are available; plan it with --plan_only, or "
-                      f"use a mesh of {jax.device_count()} devices")
-  workdir = settings.workdir
-  if workdir and jax.process_index() == 0:
-    check_workdir(workdir)
   out = Reporter(jax, workdir)
   config_json = json.dumps({"family": config.family, "size": config.size,
                             "model": config.model.to_dict(),
@@ -427,6 +448,8 @@ def train(settings: Settings) -> int:
   out.say(f"stage trace {s.trace_s:.2f}s  fold {s.fold_s:.2f}s  search {s.search_s:.2f}s  "
           f"(plan in {plan_s:.2f}s)")
   out.say(plan.summary())
+  if not _PLAN_ONLY.value:
+    check_fits(plan, list(mesh.devices.flat), jax.process_index(), what)
   out.write("config.json", config_json)
   if out.lead and workdir:
     save_plan(plan, os.path.join(workdir, "plan.json"))
@@ -434,8 +457,6 @@ def train(settings: Settings) -> int:
   if _PLAN_ONLY.value:
     return 0
 
-  devices = list(mesh.devices.flat)
-  check_fits(plan, devices, jax.process_index(), what)
   to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
   is_spec = lambda x: isinstance(x, P)  # noqa: E731
   state_sharding = jax.tree.map(to_sharding, plan.in_specs[0], is_leaf=is_spec)
@@ -493,7 +514,7 @@ def train(settings: Settings) -> int:
       if log:
         log.write(json.dumps(row) + "\n")
         log.flush()
-      label = "step 1 (first run)" if k == first else "step"
+      label = "first step" if k == first else "step"
       out.say(f"{progress(step, settings.steps)} {label} loss {loss:.4f}  {step_s:.3f}s  "
               f"{row[f'{unit}_per_s']:,.0f} {unit}/s  MFU {100 * row['mfu']:.3f}% of {device}")
       if not np.isfinite(loss):
@@ -512,6 +533,28 @@ def train(settings: Settings) -> int:
   return 0
 
 
+def one_line(error: BaseException) -> str:
+  """A flag or config error as one line: the config file's own error, not its traceback."""
+  text = str(error)
+  if isinstance(error, AttributeError):  # config_flags: unknown key, repr'd, "did you mean"
+    text = "unknown config key " + text.replace("\\n", "\n").replace("\\'", "'").strip("'")
+  cause = error.__cause__
+  if cause is not None and "Traceback" not in text:  # config file missing or unreadable
+    text = f"{text}: {cause}"
+  if "Traceback (most recent call last)" in text or isinstance(error, OSError):
+    text = text.rstrip().splitlines()[-1]  # the file's own error, or why it did not load
+  return " ".join(text.split())
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or config override reported in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    print(f"train.py: error: {one_line(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv):
   if not flags.FLAGS["verbosity"].present:  # orbax logs every file it writes at INFO
     logging.set_verbosity(logging.WARNING)
@@ -525,4 +568,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

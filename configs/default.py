@@ -7,5 +7,5 @@ from configs import gpt2
 def get_config():
   config = gpt2.get_config("tiny")
   config.model.num_layers = 4
-  config.steps = 60
+  config.steps = 40
   return config

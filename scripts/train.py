@@ -66,6 +66,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the plan, metrics
                                "checkpoints; none: nothing is written.")
 _PLAN_ONLY = flags.DEFINE_bool("plan_only", False, "Search, print and save the plan, then "
                                "stop: any mesh size, no devices needed.")
+_COMPARE = flags.DEFINE_bool("compare", False, "Print the plan next to the data parallel, "
+                             "FSDP and Megatron baselines: predicted figures, and what XLA "
+                             "compiles of each (unless --plan_only).")
 _HOST_DEVICES = flags.DEFINE_integer("host_devices", 8, "Fake CPU devices per process when "
                                      "XLA_FLAGS does not set a count.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", None, "Call jax.distributed.initialize() and "
@@ -354,6 +357,32 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
     raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
 
 
+def compare(settings: Settings, plan, train_step, state_spec, batch_spec, mesh, say) -> None:
+  """Prints `plan` beside the expert baselines, predicted and (with devices) compiled."""
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import baselines, measure  # noqa: PLC0415
+  plans = {plan.name: plan}
+  for name in baselines.BASELINES:
+    if name != plan.name:
+      plans[name] = baselines.baseline(name, train_step, state_spec, batch_spec, mesh=mesh,
+                                       device=plan.device, family=settings.config.family)
+  compiled = not isinstance(mesh, dict)
+  head = f"{'plan':<14} {'pred ms':>8} {'pred comm MiB':>13} {'pred mem MiB':>12}"
+  say("plans per device per step" + (" (XLA: the compiled program; on CPU XLA makes no "
+                                     "reduce-scatter, so ZeRO gradients count as "
+                                     "all-reduces)" if compiled else ""))
+  say(head + (f" {'XLA comm MiB':>12} {'XLA mem MiB':>11}" if compiled else ""))
+  for name, p in plans.items():
+    s = p.stats
+    line = (f"{name:<14} {s.predicted_step_s * 1e3:>8.3f} "
+            f"{s.predicted_comm_bytes / 2**20:>13.2f} {s.predicted_memory_bytes / 2**20:>12.2f}")
+    if compiled:
+      step = tapas.apply(p, train_step, mesh=mesh)
+      got = measure.measure(step.lower(state_spec, batch_spec).compile(), mesh.size)
+      line += f" {got.comm_bytes['total'] / 2**20:>12.2f} {got.memory_bytes / 2**20:>11.2f}"
+    say(line)
+
+
 def batch_items(batch_spec) -> tuple[float, str]:
   """Examples one batch counts in the unit people quote: images, or tokens."""
   if "images" in batch_spec:
@@ -448,6 +477,8 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   out.say(f"stage trace {s.trace_s:.2f}s  fold {s.fold_s:.2f}s  search {s.search_s:.2f}s  "
           f"(plan in {plan_s:.2f}s)")
   out.say(plan.summary())
+  if _COMPARE.value:
+    compare(settings, plan, train_step, state_spec, batch_spec, mesh, out.say)
   if not _PLAN_ONLY.value:
     check_fits(plan, list(mesh.devices.flat), jax.process_index(), what)
   out.write("config.json", config_json)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -19,20 +20,51 @@ def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                         env=env, timeout=timeout, cwd=ROOT)
 
 
+def launch_processes(n: int, *args: str, timeout: float = 300) -> list:
+  """`n` launcher processes of one jax.distributed job on this host, 8 / n CPU devices each.
+
+  Returns:
+    (returncode, stdout, stderr) per process.
+  """
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  procs = [subprocess.Popen(
+      [sys.executable, TRAIN, *args, f"--host_devices={8 // n}",
+       f"--coordinator_address=localhost:{port}", f"--num_processes={n}",
+       f"--process_id={i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=env, cwd=ROOT) for i in range(n)]
+  try:
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+  finally:
+    for p in procs:
+      p.kill()
+
+
 def metrics(workdir) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
 
 
 def test_trains_writes_and_resumes_with_another_plan(tmp_path):
-  """A run that stops and resumes (under another strategy) continues the same loss curve."""
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  """A run that stops and resumes (under another strategy) continues the same loss curve;
+  two processes of one jax.distributed job compute it too, process 0 alone reporting."""
+  straight, resumed, pair = tmp_path / "straight", tmp_path / "resumed", tmp_path / "pair"
   common = (f"--config={TINY}", "--mesh=data:2,model:4")
   runs = [launch(*common, "--steps=3", f"--workdir={straight}"),
           launch(*common, "--steps=2", f"--workdir={resumed}"),
           launch(*common, "--steps=3", f"--workdir={resumed}", "--strategy=fsdp")]
   for run in runs:
     assert run.returncode == 0, run.stderr[-3000:]
+  lead, other = launch_processes(2, *common, "--steps=3", f"--workdir={pair}")
+  assert lead[0] == other[0] == 0, (lead[2][-3000:], other[2][-3000:])
+  # Gloo (the CPU collectives) prints its own connection lines from C++.
+  quiet = [line for line in other[1].splitlines() if not line.startswith("[Gloo]")]
+  assert "3/3 step loss" in lead[1] and quiet == []
+  assert os.listdir(pair / "checkpoints") == ["3"]
   assert sorted(os.listdir(straight)) == ["checkpoints", "config.json", "metrics.jsonl",
                                           "plan.json", "plan.txt"]
   json.loads((straight / "plan.json").read_text())
@@ -44,8 +76,9 @@ def test_trains_writes_and_resumes_with_another_plan(tmp_path):
   for m in want:
     assert m["step_s"] > 0 and m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
   # Same init and data: the resumed run's third step is the straight run's third step.
-  for a, b in zip(want, got):
+  for a, b, c in zip(want, got, metrics(pair)):
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    assert c["loss"] == pytest.approx(a["loss"], rel=1e-4)
   assert want[-1]["loss"] < want[0]["loss"] - 1.0  # the synthetic data is learnable
 
 

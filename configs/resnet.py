@@ -14,4 +14,4 @@ from configs import base
 def get_config(size: str = "tiny"):
   tiny = size == "tiny"
   return base.make("resnet", size, batch_size=8 if tiny else 256,
-                   learning_rate=1e-3 if tiny else 1e-3)
+                   learning_rate=1e-2 if tiny else 1e-3)

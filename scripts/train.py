@@ -58,6 +58,9 @@ _MEMORY_BUDGET = flags.DEFINE_string("memory_budget", None, "Per-device memory t
                                      "take: bytes, or with a unit (16GiB, 512MiB, 80GB).")
 _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, megatron "
                                 "(expert baselines), or plan:PATH (a saved plan).")
+_BATCH_AXES = flags.DEFINE_string("batch_axes", None, "Mesh axes the search may split the "
+                                  "batch over, comma-separated, or 'any'; default: the axes "
+                                  "named data, batch, fsdp or replica.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")
@@ -270,6 +273,7 @@ class Settings:
   plan_path: str | None
   device: str | None
   memory_budget: float | None
+  batch_axes: object
   steps: int
   batch_size: int
   seed: int
@@ -294,6 +298,15 @@ def read_settings() -> Settings:
   mesh_axes = parse_mesh(_MESH.value or config.mesh)
   strategy, plan_path = parse_strategy(_STRATEGY.value)
   budget = parse_bytes(_MEMORY_BUDGET.value) if _MEMORY_BUDGET.value else None
+  batch_axes = "default"  # tapas.search's own default
+  if _BATCH_AXES.value == "any":
+    batch_axes = None
+  elif _BATCH_AXES.value:
+    batch_axes = tuple(a.strip() for a in _BATCH_AXES.value.split(","))
+    unknown = [a for a in batch_axes if a not in mesh_axes]
+    if unknown:
+      raise LaunchError(f"--batch_axes={_BATCH_AXES.value}: {unknown} not in the mesh "
+                        f"axes {list(mesh_axes)}")
   if _DEVICE.value is not None:
     from tapas_jax import cost  # noqa: PLC0415
     try:
@@ -302,7 +315,8 @@ def read_settings() -> Settings:
       raise LaunchError(f"--device: {e}") from None
   return Settings(config=config, model=build_model(config), mesh_axes=mesh_axes,
                   strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
-                  memory_budget=budget, steps=steps, batch_size=batch_size,
+                  memory_budget=budget, batch_axes=batch_axes, steps=steps,
+                  batch_size=batch_size,
                   seed=config.seed if _SEED.value is None else _SEED.value,
                   workdir=_WORKDIR.value)
 
@@ -349,7 +363,8 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
       return load_plan(settings.plan_path)
     if settings.strategy == "tapas":
       return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
-                          device=settings.device, memory_budget=settings.memory_budget)
+                          device=settings.device, memory_budget=settings.memory_budget,
+                          batch_axes=settings.batch_axes)
     return baselines.baseline(_STRATEGIES[settings.strategy], train_step, state_spec,
                               batch_spec, mesh=mesh, device=settings.device,
                               family=settings.config.family)
@@ -477,6 +492,11 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   out.say(f"stage trace {s.trace_s:.2f}s  fold {s.fold_s:.2f}s  search {s.search_s:.2f}s  "
           f"(plan in {plan_s:.2f}s)")
   out.say(plan.summary())
+  hbm = cost.get_profile(device).hbm_bytes
+  if s.predicted_memory_bytes > hbm:
+    out.say(f"note: the plan predicts {s.predicted_memory_bytes / 2**30:.1f} GiB per device "
+            f"and a {device} holds {hbm / 2**30:.0f} GiB: pass --memory_budget="
+            f"{hbm / 2**30:.0f}GiB, a larger mesh or a smaller batch")
   if _COMPARE.value:
     compare(settings, plan, train_step, state_spec, batch_spec, mesh, out.say)
   if not _PLAN_ONLY.value:

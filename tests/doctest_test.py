@@ -11,7 +11,7 @@ MODULES = ["tapas_jax", "tapas_jax.trace", "tapas_jax.fold", "tapas_jax.cost",
            "tapas_jax.solver.views", "tapas_jax.solver.problem", "tapas_jax.solver.eliminate",
            "tapas_jax.solver.solve",
            "tapas_jax.baselines", "tapas_jax.apply", "tapas_jax.measure",
-           "tapas_jax.models", "tapas_jax.models.training"]
+           "tapas_jax.models", "tapas_jax.models.training", "tapas_jax.models.synthetic"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -451,13 +451,9 @@ def train(settings: Settings) -> int:
 
 
 def _train(jax, settings: Settings, workdir: str | None) -> int:
-  import numpy as np  # noqa: PLC0415
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-
+  """Plans, reports and writes the plan; then `fit`, unless --plan_only."""
   import tapas_jax as tapas  # noqa: PLC0415
   from tapas_jax import cost  # noqa: PLC0415
-  from tapas_jax.models import synthetic  # noqa: PLC0415
 
   model, config = settings.model, settings.config
   num_devices = math.prod(settings.mesh_axes.values())
@@ -507,7 +503,22 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   out.write("plan.txt", plan.summary() + "\n")
   if _PLAN_ONLY.value:
     return 0
+  return fit(jax, settings, plan, mesh, (train_step, state_spec, batch_spec), out, ckpt_dir)
 
+
+def fit(jax, settings: Settings, plan, mesh, program, out: Reporter,
+        ckpt_dir: str | None) -> int:
+  """Initialises or restores the state with the plan's shardings, compiles and trains."""
+  import numpy as np  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import cost  # noqa: PLC0415
+  from tapas_jax.models import synthetic  # noqa: PLC0415
+
+  train_step, state_spec, batch_spec = program
+  model, config, workdir, device = settings.model, settings.config, settings.workdir, plan.device
   to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
   is_spec = lambda x: isinstance(x, P)  # noqa: E731
   state_sharding = jax.tree.map(to_sharding, plan.in_specs[0], is_leaf=is_spec)
@@ -546,7 +557,7 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   items, unit = batch_items(batch_spec)
   flops = model_flops(jax, train_step, state_spec, batch_spec)
   dtype = str(getattr(model.config, "dtype", "float32"))
-  peak = num_devices / cost.compute_time(1.0, device, dtype)  # FLOP/s of the whole mesh
+  peak = mesh.size / cost.compute_time(1.0, device, dtype)  # FLOP/s of the whole mesh
   metrics_path = os.path.join(workdir, "metrics.jsonl") if workdir else None
   kept = read_metrics(metrics_path, first) if metrics_path and out.lead else []
   out.write("metrics.jsonl", "".join(kept))

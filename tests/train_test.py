@@ -84,8 +84,11 @@ def test_trains_writes_and_resumes_with_another_plan(tmp_path):
 
 def test_plan_only_needs_no_devices(tmp_path):
   run = launch(f"--config={TINY}", "--mesh=data:4,model:8", "--plan_only",
-               "--device=tpu-v5e", f"--workdir={tmp_path}")
+               "--device=tpu-v5e", "--compare", f"--workdir={tmp_path}")
   assert run.returncode == 0, run.stderr[-3000:]
+  table = run.stdout[run.stdout.index("plans per device per step"):].splitlines()
+  assert [line.split()[0] for line in table[2:6]] == ["tapas", "data_parallel", "fsdp",
+                                                      "megatron"]
   assert sorted(os.listdir(tmp_path)) == ["config.json", "plan.json", "plan.txt"]
   plan = json.loads((tmp_path / "plan.json").read_text())
   assert "tpu-v5e" in json.dumps(plan) and "model" in json.dumps(plan)

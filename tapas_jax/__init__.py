@@ -16,16 +16,22 @@ Example:
   (1, 2)
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from tapas_jax import fold
-from tapas_jax import models
 from tapas_jax import trace
 from tapas_jax.api import search
 from tapas_jax.apply import apply, place
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan, PlanStats
+from tapas_jax.shard import shard
 from tapas_jax.solver import InfeasibleBudgetError
 from tapas_jax.trace import Graph, TraceError
+
+if TYPE_CHECKING:
+  from tapas_jax import models
 
 __version__ = "0.1.0"
 
@@ -43,5 +49,18 @@ __all__ = [
     "models",
     "place",
     "search",
+    "shard",
     "trace",
 ]
+
+
+def __getattr__(name: str):
+  # The model zoo imports flax and optax: load it on first use (`tapas_jax.models`,
+  # `from tapas_jax import models`) so `import tapas_jax` stays free of them.
+  if name == "models":
+    return importlib.import_module("tapas_jax.models")
+  raise AttributeError(f"module 'tapas_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | {"models"})

@@ -3,11 +3,26 @@
 Jaxpr data structures are semi-public (`jax.extend.core`) and move between
 releases; the rest of the package talks to them only through these helpers.
 Supported: the current jax release line and the one before (0.9 - 0.11).
+
+Equation params that are JAX objects (gather, scatter and conv dimension numbers)
+or whose names move between releases (scan's consts and carries) are parsed here
+into small frozen dataclasses of plain ints (`DotDims`, `ConvDims`, `GatherDims`,
+`ScatterDims`, `ScanCounts`); no other module reads their fields.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import _jax_internals as jx
+  >>> jaxpr = jax.make_jaxpr(lambda e, i: e[i])(jnp.ones((16, 4)), jnp.zeros(3, jnp.int32))
+  >>> eqn = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "gather"][0]
+  >>> dims = jx.gather_dims(eqn.params)
+  >>> dims.collapsed_slice_dims, dims.offset_dims, dims.slice_sizes
+  ((0,), (1,), (1, 4))
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import dataclasses
+from typing import Any, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -42,7 +57,8 @@ def aval_of(atom: Any) -> tuple[tuple[int, ...], str]:
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return (), type(aval).__name__
-  return tuple(int(d) for d in shape), np.dtype(dtype).name if _is_numpy_dtype(dtype) else str(dtype)
+  name = np.dtype(dtype).name if _is_numpy_dtype(dtype) else str(dtype)
+  return tuple(int(d) for d in shape), name
 
 
 def _is_numpy_dtype(dtype: Any) -> bool:
@@ -112,3 +128,182 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
     with ctx:
       out = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- equation params as plain ints ---------------------------------------------------
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(v) for v in (value if value is not None else ()))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what}: expected a sequence of ints, got {value!r}") from e
+
+
+def _param(params: Mapping[str, Any], key: str, primitive: str) -> Any:
+  if key not in params:
+    raise ValueError(f"{primitive} params carry no {key!r} (got {sorted(params)}); "
+                     "this jax release names them differently: teach "
+                     "tapas_jax._jax_internals its form")
+  return params[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class DotDims:
+  """dot_general's dimension numbers: which lhs/rhs dims are contracted, which batched.
+
+  Pairs line up: `lhs_contracting[k]` is contracted with `rhs_contracting[k]`, and
+  `lhs_batch[k]` is batched with `rhs_batch[k]`.
+  """
+
+  lhs_contracting: tuple[int, ...]
+  rhs_contracting: tuple[int, ...]
+  lhs_batch: tuple[int, ...]
+  rhs_batch: tuple[int, ...]
+
+
+def dot_dims(params: Mapping[str, Any]) -> DotDims:
+  """`DotDims` of a dot_general equation's params.
+
+  Example:
+    >>> dot_dims({"dimension_numbers": (((2,), (0,)), ((), ()))})
+    DotDims(lhs_contracting=(2,), rhs_contracting=(0,), lhs_batch=(), rhs_batch=())
+  """
+  dn = _param(params, "dimension_numbers", "dot_general")
+  try:
+    (lc, rc), (lb, rb) = dn
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"dot_general dimension_numbers {dn!r}: expected "
+                     "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))") from e
+  what = "dot_general dimension_numbers"
+  out = DotDims(_ints(lc, what), _ints(rc, what), _ints(lb, what), _ints(rb, what))
+  if (len(out.lhs_contracting) != len(out.rhs_contracting)
+      or len(out.lhs_batch) != len(out.rhs_batch)):
+    raise ValueError(f"{what} {dn!r}: lhs and rhs dims do not pair up")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvDims:
+  """conv_general_dilated's layout and grouping.
+
+  Attributes:
+    lhs_spec: lhs dims as (batch, feature, *spatial).
+    rhs_spec: kernel dims as (out feature, in feature, *spatial).
+    out_spec: result dims as (batch, feature, *spatial).
+    feature_group_count: grouped convs (depthwise: groups == features).
+    batch_group_count: per-group weight gradients.
+  """
+
+  lhs_spec: tuple[int, ...]
+  rhs_spec: tuple[int, ...]
+  out_spec: tuple[int, ...]
+  feature_group_count: int = 1
+  batch_group_count: int = 1
+
+
+def conv_dims(params: Mapping[str, Any], rank: int) -> ConvDims:
+  """`ConvDims` of a conv_general_dilated equation's params on operands of `rank`.
+
+  No dimension numbers means lax's default layout: NC..., OI..., NC....
+
+  Example:
+    >>> conv_dims({"feature_group_count": 1}, 4).lhs_spec
+    (0, 1, 2, 3)
+  """
+  dn = params.get("dimension_numbers")
+  if dn is None:
+    lhs = rhs = out = tuple(range(rank))
+  else:
+    try:  # ConvDimensionNumbers is a (lhs_spec, rhs_spec, out_spec) named tuple
+      lhs, rhs, out = (_ints(spec, "conv dimension_numbers") for spec in dn)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"conv_general_dilated dimension_numbers {dn!r}: expected "
+                       "(lhs_spec, rhs_spec, out_spec) of dim indices") from e
+    if not len(lhs) == len(rhs) == len(out) == rank:
+      raise ValueError(f"conv_general_dilated dimension_numbers {dn!r} do not fit "
+                       f"operands of rank {rank}")
+  return ConvDims(lhs, rhs, out,
+                  feature_group_count=int(params.get("feature_group_count", 1)),
+                  batch_group_count=int(params.get("batch_group_count", 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherDims:
+  """gather's dimension numbers and slice sizes (see `jax.lax.GatherDimensionNumbers`).
+
+  The indices' last dim is the index vector. The batching dims are empty on jax
+  releases before they existed.
+  """
+
+  offset_dims: tuple[int, ...]
+  collapsed_slice_dims: tuple[int, ...]
+  start_index_map: tuple[int, ...]
+  operand_batching_dims: tuple[int, ...]
+  start_indices_batching_dims: tuple[int, ...]
+  slice_sizes: tuple[int, ...]
+
+
+def gather_dims(params: Mapping[str, Any]) -> GatherDims:
+  """`GatherDims` of a gather equation's params (example in the module docstring)."""
+  dn = _param(params, "dimension_numbers", "gather")
+  fields = [f.name for f in dataclasses.fields(GatherDims)][:-1]
+  values = {f: _ints(getattr(dn, f, ()), f"gather dimension_numbers.{f}") for f in fields}
+  return GatherDims(**values, slice_sizes=_ints(_param(params, "slice_sizes", "gather"),
+                                                "gather slice_sizes"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterDims:
+  """scatter's dimension numbers (see `jax.lax.ScatterDimensionNumbers`).
+
+  The indices' last dim is the index vector. The batching dims are empty on jax
+  releases before they existed.
+  """
+
+  update_window_dims: tuple[int, ...]
+  inserted_window_dims: tuple[int, ...]
+  scatter_dims_to_operand_dims: tuple[int, ...]
+  operand_batching_dims: tuple[int, ...]
+  scatter_indices_batching_dims: tuple[int, ...]
+
+
+def scatter_dims(params: Mapping[str, Any]) -> ScatterDims:
+  """`ScatterDims` of a scatter (scatter-add, ...) equation's params.
+
+  Example:
+    >>> import jax
+    >>> dn = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,),
+    ...     inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,))
+    >>> scatter_dims({"dimension_numbers": dn}).inserted_window_dims
+    (0,)
+  """
+  dn = _param(params, "dimension_numbers", "scatter")
+  return ScatterDims(**{f.name: _ints(getattr(dn, f.name, ()),
+                                      f"scatter dimension_numbers.{f.name}")
+                        for f in dataclasses.fields(ScatterDims)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanCounts:
+  """How a scan's operands split: consts first, then carries, then scanned inputs;
+  results are carries, then stacked outputs."""
+
+  num_consts: int
+  num_carry: int
+
+
+def scan_counts(params: Mapping[str, Any]) -> ScanCounts | None:
+  """`ScanCounts` of a scan equation's params; None where the release does not say
+  (jax 0.11 dropped `num_consts`/`num_carry`: callers tell operands apart by shape).
+
+  Example:
+    >>> scan_counts({"num_consts": 1, "num_carry": 2, "length": 8})
+    ScanCounts(num_consts=1, num_carry=2)
+    >>> scan_counts({"length": 8}) is None
+    True
+  """
+  consts, carry = params.get("num_consts"), params.get("num_carry")
+  if consts is None or carry is None:
+    return None
+  return ScanCounts(int(consts), int(carry))

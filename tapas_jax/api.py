@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import fold as foldlib
+from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver as solverlib
 from tapas_jax import trace as tracelib
@@ -41,16 +42,6 @@ class Prepared:
   prepare_s: float  # seconds building the problem (after trace and fold)
 
 
-def mesh_axes(mesh: Any) -> dict[str, int]:
-  """Axis sizes of a jax Mesh, an AbstractMesh or a dict; rejects Explicit axes."""
-  if isinstance(mesh, Mapping):
-    return {str(k): int(v) for k, v in mesh.items()}
-  from tapas_jax.mesh import check_auto  # noqa: PLC0415 - jax import kept lazy
-  if hasattr(mesh, "axis_types"):
-    check_auto(mesh)
-  return {str(k): int(v) for k, v in dict(mesh.shape).items()}
-
-
 def default_device() -> str:
   """The device profile for the local platform."""
   import jax  # noqa: PLC0415
@@ -59,19 +50,32 @@ def default_device() -> str:
 
 
 def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
-            batch_axes: Sequence[str] | None | str = "default", fold: bool = True,
-            links: Mapping[str, str] | None = None) -> Prepared:
-  """Traces and folds `fn(*args)` and builds its problem on `mesh`.
+            batch_axes: Sequence[str] | None | str = options.DEFAULT, fold: bool = True,
+            links: Mapping[str, str] | None = None, kwargs: Mapping[str, Any] | None = None,
+            where: str = "search") -> Prepared:
+  """Traces and folds `fn(*args, **kwargs)` and builds its problem on `mesh`.
+
+  Every option is checked before anything is traced (`tapas_jax.options`).
 
   Args:
-    batch_axes: as for `search`; "default": the axes named data, batch, fsdp, replica.
+    batch_axes: as for `search`.
     fold: search the folded view (one copy per unique layer) or every op.
+    kwargs: the step's keyword arguments.
+    where: the entry point named in error messages.
   """
+  if not callable(fn):
+    raise options.OptionError(f"{where}: fn must be callable, got {type(fn).__name__} "
+                              f"({fn!r:.60}); pass the step first: {where}(fn, *args, ...)")
+  axes = options.mesh_axes(mesh, where)
+  device = options.device(device, where)
+  fold = options.flag(fold, "fold", where)
+  kwargs = options.kwargs(kwargs, where)
+  batch_axes = options.batch_axes(batch_axes, axes, where)
   profile = costlib.get_profile(device or default_device())
-  mesh_spec = costlib.mesh_spec(mesh_axes(mesh), profile, links)
-  if isinstance(batch_axes, str) and batch_axes == "default":
+  mesh_spec = costlib.mesh_spec(axes, profile, links)
+  if isinstance(batch_axes, str):
     batch_axes = solverlib.default_batch_axes(mesh_spec)
-  graph = tracelib.trace(fn, *args)
+  graph = tracelib.trace(fn, *args, kwargs=kwargs)
   folded = foldlib.fold(graph)
   start = time.perf_counter()
   view = solverlib.folded_view(folded) if fold else solverlib.unfolded_view(graph)
@@ -80,25 +84,36 @@ def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
                   prepare_s=time.perf_counter() - start)
 
 
-def search(fn, *args, mesh, device: str | None = None, memory_budget: float | None = None,
-           batch_axes: Sequence[str] | None | str = "default", fold: bool = True,
+def search(fn, *args, mesh, device: str | None = None,
+           memory_budget: float | str | None = None,
+           batch_axes: Sequence[str] | None | str = options.DEFAULT, fold: bool = True,
            solver: str | None = None, links: Mapping[str, str] | None = None,
-           time_limit: float | None = None) -> planlib.Plan:
-  """Traces, folds and searches a sharding plan for `fn(*args)`.
+           time_limit: float | None = None,
+           kwargs: Mapping[str, Any] | None = None) -> planlib.Plan:
+  """Traces, folds and searches a sharding plan for `fn(*args, **kwargs)`.
+
+  Every option is checked before anything is traced; a bad one raises `ValueError`
+  (`tapas_jax.options.OptionError`, or `MeshError` for the mesh) naming the fix.
 
   Args:
     fn: the step to shard, e.g. `train_step(state, batch)`.
     *args: its arguments: arrays or `jax.ShapeDtypeStruct` pytrees (nothing allocated).
-    mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes.
+    mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes
+      (positive ints, e.g. `{"data": 2, "model": 4}`).
     device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, a100, h100, h200, cpu);
       default from the local platform.
     memory_budget: per-device bytes the plan may take: the program's inputs
       (parameters, optimizer state, batch) plus the intermediates live at the
       activation peak, as `plan.stats.predicted_memory_bytes` reports; None:
-      unlimited. Tight budgets store parameters and optimizer state split over axes
-      their compute does not use (ZeRO) before they split the compute itself.
-    batch_axes: mesh axes that may split the batch (dim 0 of the last argument);
-      default: the axes named data, batch, fsdp or replica; None: any axis.
+      unlimited. A number of bytes or a string: "16GiB" (GiB, MiB, ...: powers of
+      1024), "16GB" (GB, MB, ...: powers of 1000), "1.5 TiB", "512MiB". Tight budgets
+      store parameters and optimizer state split over axes their compute does not use
+      (ZeRO) before they split the compute itself.
+    batch_axes: mesh axes that may split the batch: one axis name ("data") or a
+      sequence of them; default: every axis whose name does not say it carries the
+      model (model, tp, expert, seq, pipe, ...: see `solver.problem.MODEL_AXIS_NAMES`);
+      None: any axis. The batch is found by dataflow: dim 0 of every input that is not
+      state carried to the next step.
     fold: search each unique layer once (True: the folded view, and each cost table
       built once per unique layer) or every op on its own (False).
     solver: "elimination" (exact variable elimination) or "ilp" (one integer program
@@ -107,8 +122,13 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
       they are given; the folded view's objective is an estimate of the whole program
       (T5: 1.4% off), and under a budget elimination is near, not exactly, optimal.
     links: mesh axis -> "intra" or "inter" link; default from the device profile.
-    time_limit: seconds for the integer program; `plan.stats.solver_status` is
-      "time_limit" when it was hit.
+    time_limit: seconds (positive) for the integer program; `plan.stats.solver_status`
+      is "time_limit" when it was hit.
+    kwargs: the step's keyword arguments, as a dict (`search`'s own keywords such as
+      `mesh` would clash with the step's): `search(step, state, kwargs={"batch": b},
+      mesh=...)` plans `step(state, batch=b)`. The plan's `kwargs_specs` holds their
+      specs; keyword arguments count after the positional ones, in sorted name order,
+      so with `step(state, batch=b)` the batch is the last argument.
 
   Returns:
     A `tapas_jax.plan.Plan`.
@@ -122,19 +142,23 @@ def search(fn, *args, mesh, device: str | None = None, memory_budget: float | No
     >>> plan = search(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
     ...               jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
     ...               jax.ShapeDtypeStruct((65536, 4096), jnp.float32),
-    ...               mesh={"data": 8}, device="h100")
+    ...               mesh={"data": 8}, device="h100", memory_budget="1GiB")
     >>> plan.in_specs
     (P(None, None), P('data', None))
   """
+  memory_budget = options.memory_bytes(memory_budget)
+  solver = options.solver(solver)
+  time_limit = options.time_limit(time_limit)
   prepared = prepare(fn, args, mesh=mesh, device=device, batch_axes=batch_axes, fold=fold,
-                     links=links)
+                     links=links, kwargs=kwargs)
   start = time.perf_counter()
   solverlib.warn_unsplittable(prepared.problem)
+  solverlib.warn_batch_unsplit(prepared.problem)
   solution = solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
                              memory_budget=memory_budget, time_limit=time_limit)
   search_s = prepared.prepare_s + time.perf_counter() - start
   return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
-                           search_s=search_s)
+                           search_s=search_s, kwargs=kwargs)
 
 
 def solver_name(name: str | None, fold: bool) -> str:

@@ -29,47 +29,144 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import trace as tracelib
-from tapas_jax.mesh import MeshError, check_auto, make_mesh
+from tapas_jax.mesh import MeshError, make_mesh
 
 __all__ = ["apply", "place"]
 
 
-def _mesh_for(plan: planlib.Plan, mesh: Any) -> jax.sharding.Mesh:
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def _mesh_for(plan: planlib.Plan, mesh: Any, where: str) -> jax.sharding.Mesh:
+  """The mesh given, else the one set by `jax.set_mesh`, else `make_mesh` of the plan's
+  axes; whichever it is must have the plan's axis names and sizes."""
+  if not isinstance(plan, planlib.Plan):
+    raise options.OptionError(f"{where}: the first argument must be a tapas Plan (from "
+                              f"tapas.search or Plan.load), got {type(plan).__name__}.")
   if mesh is None:
-    return make_mesh(dict(plan.mesh_axes))
-  check_auto(mesh)
-  axes = {str(k): int(v) for k, v in dict(mesh.shape).items()}
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is None or getattr(current, "empty", True) or not hasattr(current, "devices"):
+      return make_mesh(dict(plan.mesh_axes))
+    mesh, source = current, "the mesh set by jax.set_mesh"
+  else:
+    source = "the mesh given"
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise MeshError(f"{where}: mesh={mesh!r:.80} is a {type(mesh).__name__}; pass a "
+                      "jax.sharding.Mesh (tapas.make_mesh(plan.mesh_axes)) or None.")
+  axes = options.mesh_axes(mesh, where)
   if axes != dict(plan.mesh_axes):
-    raise MeshError(f"apply: the plan was searched for mesh {dict(plan.mesh_axes)}, but "
-                    f"the mesh given has axes {axes}. Search again on this mesh, or pass "
-                    "a mesh with the plan's axis names and sizes.")
+    raise MeshError(f"{where}: the plan was searched for mesh {dict(plan.mesh_axes)}, but "
+                    f"{source} has axes {axes} ({_mesh_diff(dict(plan.mesh_axes), axes)}). "
+                    "Search again on this mesh, or use a mesh with the plan's axis names "
+                    "and sizes.")
   return mesh
 
 
-def _shardings(plan: planlib.Plan, mesh) -> tuple[Any, ...]:
-  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-  return tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-               for specs in plan.in_specs)
+def _mesh_diff(want: Mapping[str, int], have: Mapping[str, int]) -> str:
+  for name, size in want.items():
+    if name not in have:
+      return f"no axis {name!r}"
+    if have[name] != size:
+      return f"axis {name!r} has size {have[name]}, the plan's {size}"
+  extra = [n for n in have if n not in want]
+  if extra:
+    return f"extra axis {extra[0]!r}"
+  return f"axis order {list(have)}, the plan's {list(want)}"
 
 
-def place(plan: planlib.Plan, *args: Any, mesh: Any = None) -> tuple[Any, ...]:
+def _bind(specs: Any, arg: Any, where: str, plan: planlib.Plan) -> Any:
+  """`specs` in `arg`'s pytree structure.
+
+  A plan loaded from a file holds stand-ins for the pytree node types JSON cannot
+  rebuild (a flax `TrainState`, optax states, nnx `State`); they are bound to the
+  argument's own node types when the key paths of the leaves agree one for one.
+  """
+  have = jax.tree.structure(arg)
+  if jax.tree.structure(specs, is_leaf=_is_spec) == have:
+    return specs
+  spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+  arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+  spec_paths = [tracelib.key_path_str(p) for p, _ in spec_leaves]
+  arg_paths = [tracelib.key_path_str(p) for p, _ in arg_leaves]
+  if spec_paths == arg_paths and all(_is_spec(s) for _, s in spec_leaves):
+    return jax.tree.unflatten(have, [s for _, s in spec_leaves])
+  diff = next((k for k, (a, b) in enumerate(zip(arg_paths, spec_paths)) if a != b),
+              min(len(arg_paths), len(spec_paths)))
+  got = f"'{arg_paths[diff]}'" if diff < len(arg_paths) else "nothing"
+  want = f"'{spec_paths[diff]}'" if diff < len(spec_paths) else "nothing"
+  raise ValueError(
+      f"apply: plan {plan.name!r} was searched for another program: {where} has "
+      f"{len(arg_paths)} leaves, the plan {len(spec_paths)}; leaf {diff} is {got} here and "
+      f"{want} in the plan. Search again with tapas.search(fn, *args, mesh=...) on what "
+      "you run.")
+
+
+class _Call:
+  """The arguments of one call, flattened as the plan's program takes them: the
+  positional ones, then the keyword ones in sorted name order."""
+
+  def __init__(self, plan: planlib.Plan, args: Sequence[Any], kwargs: Mapping[str, Any],
+               where: str):
+    names = sorted(kwargs)
+    if len(args) != len(plan.in_specs) or names != sorted(plan.kwargs_specs):
+      def shape(n, kw):
+        return f"{n} positional argument(s)" + (f" and keyword(s) {kw}" if kw else "")
+      raise ValueError(
+          f"{where}: plan {plan.name!r} was searched for another program, called with "
+          f"{shape(len(plan.in_specs), sorted(plan.kwargs_specs))}; got "
+          f"{shape(len(args), names)}. Call it as it was searched, or search again "
+          "(keyword arguments: tapas.search(fn, *args, kwargs={...}, mesh=...)).")
+    self.names = names
+    self.values = tuple(args) + tuple(kwargs[n] for n in names)
+    self.where = [f"argument {i}" for i in range(len(args))] + \
+        [f"keyword argument {n!r}" for n in names]
+    self.specs = tuple(
+        _bind(s, a, w, plan) for s, a, w in
+        zip(tuple(plan.in_specs) + tuple(plan.kwargs_specs[n] for n in names),
+            self.values, self.where))
+
+  def shardings(self, mesh) -> tuple[Any, ...]:
+    return tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+                 for specs in self.specs)
+
+
+def place(plan: planlib.Plan, *args: Any, mesh: Any = None,
+          kwargs: Mapping[str, Any] | None = None) -> Any:
   """Puts each argument where the plan wants it (`jax.device_put` per leaf).
 
   Args:
-    plan: from `tapas.search` or a baseline.
+    plan: from `tapas.search`, a baseline or `Plan.load`.
     *args: the arrays, one pytree per positional argument, as searched.
-    mesh: a `jax.sharding.Mesh` with the plan's axes; default: `make_mesh` of them.
+    mesh: a `jax.sharding.Mesh` with the plan's axes; default: the mesh set by
+      `jax.set_mesh`, else `make_mesh` of the plan's axes.
+    kwargs: the keyword arguments, for a plan searched with `kwargs=`.
 
   Returns:
-    The placed arguments, as a tuple.
+    The placed positional arguments as a tuple; with `kwargs`, the pair
+    `(args, kwargs)`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import tapas_jax as tapas
+    >>> f = lambda w, x: jnp.sum(x @ w)
+    >>> w, x = jnp.ones((8, 8)), jnp.ones((64, 8))
+    >>> plan = tapas.search(f, w, kwargs={"x": x}, mesh={"data": 8}, device="cpu")
+    >>> (w,), kw = tapas.place(plan, w, kwargs={"x": x})
+    >>> kw["x"].sharding.spec == plan.kwargs_specs["x"]
+    True
   """
-  mesh = _mesh_for(plan, mesh)
-  if len(args) != len(plan.in_specs):
-    raise ValueError(f"place: the plan has specs for {len(plan.in_specs)} positional "
-                     f"arguments, got {len(args)}")
-  return tuple(jax.device_put(a, s) for a, s in zip(args, _shardings(plan, mesh)))
+  mesh = _mesh_for(plan, mesh, "place")
+  given = options.kwargs(kwargs, "place")
+  call = _Call(plan, args, given, "place")
+  placed = tuple(jax.device_put(a, s) for a, s in zip(call.values, call.shardings(mesh)))
+  if kwargs is None:
+    return placed[:len(args)]
+  return placed[:len(args)], dict(zip(call.names, placed[len(args):]))
 
 
 def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
@@ -77,15 +174,21 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
   """`fn` jitted to run as the plan says.
 
   Args:
-    plan: from `tapas.search` (or a baseline) for this `fn` and these argument shapes.
+    plan: from `tapas.search` (or a baseline, or `Plan.load`) for this `fn` and these
+      argument shapes.
     fn: the function searched, e.g. `train_step(state, batch)`.
-    mesh: a `jax.sharding.Mesh` (Auto axes) with the plan's axes; default: `make_mesh`
-      of them over the local devices.
-    donate_argnums: passed to `jax.jit` (donate the state to update it in place).
+    mesh: a `jax.sharding.Mesh` (Auto axes) with the plan's axes; default: the mesh
+      set by `jax.set_mesh` when `apply` is called, else `make_mesh` of the plan's axes
+      over the local devices.
+    donate_argnums: positional arguments to donate, as for `jax.jit` (donate the
+      state to update it in place).
 
   Returns:
-    A `jax.jit`-wrapped function with `fn`'s signature (and `.lower`). Arguments of
-    another structure, or a program other than the one searched, raise ValueError.
+    A `jax.jit`-wrapped function with `fn`'s signature (and `.lower`); keyword
+    arguments work as with `jax.jit` when the plan was searched with them
+    (`search(..., kwargs={...})`). Arguments of another structure, or a program other
+    than the one searched, raise ValueError; arguments already committed to other
+    shardings than the plan's raise ValueError naming them (`tapas.place` fixes it).
     Calls to `jax.jit`-ed and `custom_jvp`/`custom_vjp` functions inside `fn` are
     evaluated inline (that is how constraints reach into them), so apply the step you
     run, with its gradients taken inside it, rather than differentiating the result.
@@ -93,66 +196,106 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
   Raises:
     MeshError: the mesh has other axes than the plan, or Explicit axes.
   """
-  mesh = _mesh_for(plan, mesh)
-  pins: dict[tuple, list[tuple[int, NamedSharding]]] = {}
-  for c in plan.constraints:
-    pins.setdefault(tuple(c.site), []).append((c.slot, NamedSharding(mesh, c.spec)))
-  in_shardings = _shardings(plan, mesh)
-
-  def run(*args):
-    # The jaxpr of the abstract arguments, exactly as `search` traced it (real arrays
-    # may carry weak types that would add or drop equations and shift every site).
-    graph, closed, out_shape = tracelib.trace_with_jaxpr(fn, *args)
-    _check_program(plan, graph)
-    jaxpr, consts = jx.open_jaxpr(closed)
-    outs = _interpret(jaxpr, consts, jax.tree.leaves(args), (), pins, {})
-    # The next state stays where its input is stored, so the next step moves nothing.
-    flat_in = jax.tree.leaves(in_shardings)
-    for k, j in graph.carried:
-      outs[k] = jax.lax.with_sharding_constraint(outs[k], flat_in[j])
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-  jitted = jax.jit(run, in_shardings=in_shardings, donate_argnums=donate_argnums)
-  return _Applied(plan, jitted)
+  mesh = _mesh_for(plan, mesh, "apply")
+  if not callable(fn):
+    raise options.OptionError(f"apply: fn must be callable, got {type(fn).__name__}; "
+                              "pass the step searched: tapas.apply(plan, step).")
+  donate = options.donate_argnums(donate_argnums, len(plan.in_specs))
+  return _Applied(plan, fn, mesh, donate)
 
 
 class _Applied:
-  """The jitted step, with the arguments' structure checked against the plan first
-  (jit's own message for a mismatch does not say which plan or what to do)."""
+  """The jitted step, its arguments checked against the plan first (jit's own messages
+  for a mismatch do not say which plan or what to do). One `jax.jit` per argument
+  structure: a loaded plan's specs take the structure of the arguments they meet."""
 
-  def __init__(self, plan: planlib.Plan, jitted):
-    self.plan, self.jitted = plan, jitted
+  def __init__(self, plan: planlib.Plan, fn, mesh, donate: tuple[int, ...]):
+    self.plan, self.fn, self.mesh, self.donate = plan, fn, mesh, donate
+    self.pins: dict[tuple, list[tuple[int, NamedSharding]]] = {}
+    for c in plan.constraints:
+      self.pins.setdefault(tuple(c.site), []).append((c.slot, NamedSharding(mesh, c.spec)))
+    self._jitted: dict[Any, Any] = {}
 
-  def _check(self, args) -> None:
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    if len(args) != len(self.plan.in_specs):
-      raise ValueError(f"apply: plan {self.plan.name!r} was searched for another program "
-                       f"with {len(self.plan.in_specs)} positional arguments; got "
-                       f"{len(args)}. Search again on what you run.")
-    for i, (arg, specs) in enumerate(zip(args, self.plan.in_specs)):
-      want = jax.tree.structure(specs, is_leaf=is_spec)
-      if jax.tree.structure(arg) != want:
-        raise ValueError(
-            f"apply: plan {self.plan.name!r} was searched for another program: argument "
-            f"{i} has pytree structure {jax.tree.structure(arg)}, the plan has specs for "
-            f"{want}. Search again with tapas.search(fn, *args, mesh=...) on what you run.")
+  def _prepare(self, args, kwargs):
+    call = _Call(self.plan, args, kwargs, "apply")
+    key = (tuple(call.names), tuple(jax.tree.structure(v) for v in call.values))
+    if key not in self._jitted:
+      shardings = call.shardings(self.mesh)
+      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings)
+    jitted, shardings = self._jitted[key]
+    return call, jitted, shardings
 
-  def __call__(self, *args):
-    self._check(args)
-    return self.jitted(*args)
+  def _jit(self, num_positional: int, names: Sequence[str], in_shardings):
+    plan, fn, pins = self.plan, self.fn, self.pins
 
-  def lower(self, *args):
-    self._check(args)
-    return self.jitted.lower(*args)
+    def run(*flat):
+      # The jaxpr of the abstract arguments, exactly as `search` traced it (real arrays
+      # may carry weak types that would add or drop equations and shift every site).
+      graph, closed, out_shape = tracelib.trace_with_jaxpr(
+          fn, *flat[:num_positional], kwargs=dict(zip(names, flat[num_positional:])))
+      _check_program(plan, graph)
+      jaxpr, consts = jx.open_jaxpr(closed)
+      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {})
+      # The next state stays where its input is stored, so the next step moves nothing.
+      flat_in = jax.tree.leaves(in_shardings)
+      for k, j in graph.carried:
+        outs[k] = jax.lax.with_sharding_constraint(outs[k], flat_in[j])
+      return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return jax.jit(run, in_shardings=in_shardings, donate_argnums=self.donate)
+
+  def __call__(self, *args, **kwargs):
+    call, jitted, shardings = self._prepare(args, kwargs)
+    try:
+      return jitted(*call.values)
+    except ValueError as e:
+      found = _committed_elsewhere(call, shardings)
+      if found is None:
+        raise
+      raise ValueError(found) from e
+
+  def lower(self, *args, **kwargs):
+    call, jitted, _ = self._prepare(args, kwargs)
+    return jitted.lower(*call.values)
+
+
+def _committed_elsewhere(call: _Call, shardings: Sequence[Any]) -> str | None:
+  """Names the first argument leaf committed to another sharding than the plan's."""
+  for where, value, tree in zip(call.where, call.values, shardings):
+    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    for (path, leaf), want in zip(leaves, jax.tree.leaves(tree)):
+      have = getattr(leaf, "sharding", None)
+      if have is None or not getattr(leaf, "committed", False):
+        continue
+      if not have.is_equivalent_to(want, leaf.ndim):
+        name = tracelib.key_path_str(path) or "(the whole argument)"
+        return (f"apply: {where} at path '{name}' is committed to {have}, but the plan "
+                f"stores it as {want.spec} on mesh {dict(want.mesh.shape)}. Put the "
+                "arguments where the plan wants them first: args = tapas.place(plan, "
+                "*args) (with kwargs=... for keyword arguments), or pass uncommitted "
+                "arrays.")
+  return None
 
 
 def _check_program(plan: planlib.Plan, graph) -> None:
-  if graph.regions[0].fingerprint != plan.fingerprint:
-    raise ValueError(
-        f"apply: plan {plan.name!r} was searched for another program (fingerprint "
-        f"{plan.fingerprint}, this one {graph.regions[0].fingerprint}): the function, "
-        "its argument shapes or dtypes, or its static options differ. Search again with "
-        "tapas.search(fn, *args, mesh=...) on what you run.")
+  if graph.regions[0].fingerprint == plan.fingerprint:
+    return
+  here = tuple((i.path, str(graph.types[i.value])) for i in graph.inputs)
+  what = "the function or its static options differ"
+  if plan.input_types and here != plan.input_types:
+    k = next((k for k, (a, b) in enumerate(zip(here, plan.input_types)) if a != b),
+             min(len(here), len(plan.input_types)))
+    if k >= len(here) or k >= len(plan.input_types):
+      what = f"it has {len(here)} input leaves, the plan {len(plan.input_types)}"
+    else:
+      (path, ttype), (want_path, want_type) = here[k], plan.input_types[k]
+      what = (f"input {k} is '{path}' {ttype} here, '{want_path}' {want_type} in the plan"
+              if path != want_path else f"input '{path}' is {ttype} here, {want_type} in "
+              "the plan")
+  raise ValueError(
+      f"apply: plan {plan.name!r} was searched for another program: {what} (fingerprint "
+      f"{plan.fingerprint}, this one {graph.regions[0].fingerprint}). Search again with "
+      "tapas.search(fn, *args, mesh=...) on what you run.")
 
 
 def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict) -> list[Any]:

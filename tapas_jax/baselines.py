@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from tapas_jax import api
 from tapas_jax import cost as costlib
+from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver
 
@@ -72,7 +73,7 @@ def _fsdp(problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costlib.Layout
   n = math.prod(problem.mesh.size(a) for a in axes)
   for i in problem.graph.inputs:
     shape = problem.graph.types[i.value].shape
-    if i.arg in problem.batch_args or not shape:
+    if i.value in problem.batch_inputs or not shape:
       continue
     dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
     if not dims:
@@ -101,7 +102,7 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
 
 
 def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
-             family: str | None = None, batch_axes=None, links=None):
+             family: str | None = None, batch_axes=None, links=None, kwargs=None):
   """An expert plan for `fn(*args)`, costed like a searched one.
 
   Args:
@@ -110,22 +111,30 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     mesh: Mesh, abstract mesh or dict of axis sizes.
     device: device profile name.
     family: zoo family name (needed by "megatron").
-    batch_axes: axes Megatron puts the batch on (default: data/batch/fsdp/replica);
+    batch_axes: axes Megatron puts the batch on (default: the axes whose names do not
+      say they carry the model, `solver.problem.MODEL_AXIS_NAMES`);
       data parallel and FSDP always use every axis.
     links: mesh axis -> "intra"/"inter".
+    kwargs: the step's keyword arguments, as for `tapas_jax.search`.
 
   Raises:
-    ValueError: unknown baseline name or family.
+    ValueError: unknown baseline name or family, or a bad option (see `search`).
   """
   if name not in BASELINES:
     raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
-  prepared = api.prepare(fn, args, mesh=mesh, device=device, batch_axes=None, links=links)
+  if name == "megatron" and family not in MEGATRON_SPLITS:
+    raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
+                     f"pass family= one of {', '.join(sorted(MEGATRON_SPLITS))}")
+  batch_axes = options.batch_axes(batch_axes, options.mesh_axes(mesh, "baseline"),
+                                  "baseline")
+  prepared = api.prepare(fn, args, mesh=mesh, device=device, batch_axes=None, links=links,
+                         kwargs=kwargs, where="baseline")
   start = time.perf_counter()
   problem, mesh_spec = prepared.problem, prepared.mesh
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
   layouts = None
   if name == "megatron":
-    if batch_axes is None:
+    if batch_axes is None or isinstance(batch_axes, str):
       batch_axes = solver.default_batch_axes(mesh_spec)
     choice = _megatron_choice(problem, family or "", tuple(batch_axes))
   else:
@@ -136,4 +145,4 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   solution = solver.evaluate(problem, choice, input_layouts=layouts)
   return planlib.make_plan(problem, prepared.folded, solution, args,
                            search_s=prepared.prepare_s + time.perf_counter() - start,
-                           name=name, input_layouts=layouts)
+                           name=name, input_layouts=layouts, kwargs=kwargs)

@@ -730,7 +730,8 @@ def reshard_bytes(shape, itemsize, src, dst, mesh, profile) -> float:
 def _drop_trivial(layout: Layout, mesh: MeshSpec) -> Layout:
   # Size-1 axes move no data; dropping them keeps the search small and keeps
   # zero-byte collectives out of the answer.
-  keep = lambda axes: tuple(a for a in axes if mesh.size(a) > 1)
+  def keep(axes):
+    return tuple(a for a in axes if mesh.size(a) > 1)
   return Layout(tuple(keep(d) for d in layout.dims), keep(layout.partial))
 
 

@@ -355,7 +355,7 @@ def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[in
   best = [0] * (len(spans) + 1)
   take = [False] * len(spans)
   prev = [0] * len(spans)
-  for k, (saved, _, start, stop, _) in enumerate(spans):
+  for k, (saved, _, start, _stop, _) in enumerate(spans):
     prev[k] = int(np.searchsorted(stops, start, side="right"))
     with_k = saved + best[prev[k]]
     take[k] = with_k > best[k]

@@ -17,11 +17,10 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from tapas_jax import options
+from tapas_jax.options import MeshError
+
 __all__ = ["MeshError", "check_auto", "make_mesh"]
-
-
-class MeshError(ValueError):
-  """A mesh the planner cannot use."""
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -32,17 +31,17 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     devices: devices to use; default all of `jax.devices()`.
 
   Raises:
-    MeshError: the sizes do not multiply to the number of devices, or a size is < 1.
+    MeshError: the sizes do not multiply to the number of devices, a size is not a
+      positive int, or a name is not a string.
 
   Example:
     >>> make_mesh({"data": 8}).axis_names
     ('data',)
   """
-  if not axes:
-    raise MeshError("make_mesh: give at least one axis, e.g. {'data': 8}")
-  for name, size in axes.items():
-    if not isinstance(size, int) or size < 1:
-      raise MeshError(f"make_mesh: axis {name!r} has size {size!r}; sizes are ints >= 1")
+  if not isinstance(axes, Mapping):
+    raise MeshError(f"make_mesh: axes={axes!r:.80} is a {type(axes).__name__}; pass a dict "
+                    "of axis sizes, e.g. {'data': 2, 'model': 4}.")
+  axes = options.mesh_axes(axes, "make_mesh")
   devices = list(devices if devices is not None else jax.devices())
   total = 1
   for size in axes.values():

@@ -122,6 +122,10 @@ class Plan:
     fingerprint: canonical hash of the traced program (checked when applied).
     name: "tapas" for a searched plan, else the baseline's name.
     constraints: layouts `apply` pins inside the program (see `Constraint`).
+    kwargs_specs: keyword argument name -> its pytree of `PartitionSpec`, for a step
+      searched with keyword arguments (`search(..., kwargs={...})`); else empty.
+    input_types: (path, "float32[8,64]") of every argument leaf searched, so that a
+      plan applied to another program says which input differs.
   """
 
   mesh_axes: Mapping[str, int]
@@ -133,6 +137,20 @@ class Plan:
   fingerprint: str
   name: str = "tapas"
   constraints: tuple[Constraint, ...] = ()
+  kwargs_specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  input_types: tuple[tuple[str, str], ...] = ()
+
+  def save(self, path) -> None:
+    """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
+    from tapas_jax import plan_file  # noqa: PLC0415 - plan_file imports this module
+    plan_file.save(self, path)
+
+  @classmethod
+  def load(cls, path) -> "Plan":
+    """Reads a plan `save` wrote. Raises `plan_file.PlanFileError` (a ValueError)
+    naming the field that is wrong in a truncated or edited file."""
+    from tapas_jax import plan_file  # noqa: PLC0415
+    return plan_file.load(path)
 
   def summary(self) -> str:
     """Readable report: the cost, the split dimension classes, each layer's specs."""
@@ -169,22 +187,26 @@ def _spec_text(spec: PartitionSpec) -> str:
 
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
               search_s: float, name: str = "tapas",
-              input_layouts: Mapping[int, costlib.Layout] | None = None):
+              input_layouts: Mapping[int, costlib.Layout] | None = None,
+              kwargs: Mapping[str, Any] | None = None):
   """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
 
   Args:
     input_layouts: inputs stored in a fixed layout rather than their classes' (the
       FSDP baseline); their specs come from here.
+    kwargs: the keyword arguments traced (after `args`, in sorted name order).
   """
   g = problem.graph
   fixed = input_layouts or {}
   specs = [PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, solution.choice))
                          .to_partition_spec()) for i in g.inputs]
-  in_specs, k = [], 0
-  for arg in args:
+  names = sorted(kwargs or {})
+  all_specs, k = [], 0
+  for arg in tuple(args) + tuple(kwargs[n] for n in names):
     leaves, treedef = jax.tree_util.tree_flatten(arg)
-    in_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
+    all_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
     k += len(leaves)
+  in_specs, kwargs_specs = all_specs[:len(args)], dict(zip(names, all_specs[len(args):]))
   spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
   use_of = {}
   for i in g.inputs:
@@ -233,14 +255,17 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
                       device=problem.profile.name, in_specs=tuple(in_specs),
                       class_axes=class_axes, layers=tuple(layers), stats=stats,
                       fingerprint=g.regions[0].fingerprint, name=name,
-                      constraints=_constraints(problem, solution, fixed))
+                      constraints=_constraints(problem, solution, fixed),
+                      kwargs_specs=kwargs_specs,
+                      input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs))
 
 
 def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):
   """The PartitionSpec of a value whose dims are in these classes, as the cost tables
   read it (an axis splits only the first dim that asks for it)."""
   axes = [choice.get(c, ()) if c is not None else () for c in classes]
-  return PartitionSpec(*costlib.Layout(tables.mesh_dims(range(len(axes)), axes)).to_partition_spec())
+  layout = costlib.Layout(tables.mesh_dims(range(len(axes)), axes))
+  return PartitionSpec(*layout.to_partition_spec())
 
 
 def _generic(example: str) -> str:

@@ -15,6 +15,10 @@ layout every result leaves in:
 * a factor an operand lacks: that operand is replicated along its axes (each device
   computes its own slice of the result from the full operand).
 
+The solver's cost tables turn a choice into these layouts
+(`tapas_jax.solver.tables.TableBuilder.op_layouts`); a mesh axis splits only the first
+dim of a tensor that asks for it (`tables.mesh_dims`).
+
 Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
 indexes an operand but no result is in `reduce`; a `reduce` factor indexes no
 result; a factor indexes at most one dim of a tensor; size-1 dims are None.
@@ -26,7 +30,14 @@ gcd(input dim, output dim), smaller than one of them (see `_reshape`).
 
 Rules are plain functions `(params, in_shapes, out_shapes) -> OpRule` registered by
 primitive name in `RULES`; `params` are the jaxpr equation's own param values
-(`Op.raw_params`). A primitive without a rule is kept replicated, with one warning.
+(`Op.raw_params`). Params that are JAX objects (dimension numbers) are read only
+through the parsers of `tapas_jax._jax_internals` (`jx.gather_dims(params)`, ...).
+A primitive without a rule is kept replicated, with one warning.
+
+A rule that fails (raises) on an equation also leaves it replicated with one warning,
+so one odd equation cannot stop a search. To see the failure instead, turn on strict
+mode: `with rules.strict_rules(): ...`, or set the environment variable
+`TAPAS_STRICT_RULES=1` (the test suite does, in `tests/conftest.py`).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -41,17 +52,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+import os
 import string
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from tapas_jax import cost
+from tapas_jax import _jax_internals as jx
 
-__all__ = ["OpRule", "RULES", "Shape", "default_rule", "register", "rule_for", "rule_of"]
+__all__ = ["OpRule", "RULES", "STRICT_ENV", "Shape", "default_rule", "is_strict",
+           "register", "rule_for", "rule_of", "strict_rules"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -139,35 +154,6 @@ class OpRule:
 
     return (",".join(text(d) for d in self.inputs) + "->" +
             ",".join(text(d) for d in self.outputs))
-
-  def layouts(self, assignment: Mapping[int, Sequence[str]]
-              ) -> tuple[tuple[cost.Layout, ...], tuple[cost.Layout, ...]]:
-    """(input layouts, output layouts) when factor f is split over `assignment[f]`.
-
-    Factors missing from `assignment` stay unsplit. Outputs are partial over the
-    axes of the split `reduce` factors.
-
-    Raises:
-      ValueError: a mesh axis is used by two factors.
-
-    Example:
-      >>> r = OpRule((8, 4, 16), ((0, 1), (1, 2)), ((0, 2),), reduce=(1,))
-      >>> ins, outs = r.layouts({0: ("data",), 1: ("model",)})
-      >>> ins[1].to_partition_spec(), outs[0].partial
-      (('model', None), ('model',))
-    """
-    axes_of = {f: tuple(axes) for f, axes in assignment.items() if axes}
-    used = [a for axes in axes_of.values() for a in axes]
-    if len(used) != len(set(used)):
-      raise ValueError(f"assignment {dict(assignment)} uses a mesh axis twice")
-
-    def layout(dims: Dims, partial: tuple[str, ...] = ()) -> cost.Layout:
-      return cost.Layout(tuple(axes_of.get(f, ()) if f is not None else ()
-                               for f in dims), partial=partial)
-
-    partial = tuple(a for f in self.reduce for a in axes_of.get(f, ()))
-    return (tuple(layout(d) for d in self.inputs),
-            tuple(layout(d, partial) for d in self.outputs))
 
   def flops_per_device(self, assignment: Mapping[int, Sequence[str]],
                        axis_sizes: Mapping[str, int]) -> float:
@@ -321,34 +307,27 @@ def _dot_general(params, ins, outs) -> OpRule:
 
   Result dims are ordered batch, lhs free, rhs free (the dot_general convention).
   """
-  (lc, rc), (lb, rb) = params["dimension_numbers"]
+  dn = jx.dot_dims(params)
+  lc, rc, lb, rb = dn.lhs_contracting, dn.rhs_contracting, dn.lhs_batch, dn.rhs_batch
   lhs, rhs = ins[0], ins[1]
   f = _Factors()
   lhs_dims: list[int | None] = [None] * len(lhs)
   rhs_dims: list[int | None] = [None] * len(rhs)
   out_dims: list[int | None] = []
-  for l, r in zip(lb, rb):
-    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
-    out_dims.append(lhs_dims[l])
+  for ld, rd in zip(lb, rb):
+    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+    out_dims.append(lhs_dims[ld])
   for shape, dims, skip in ((lhs, lhs_dims, {*lc, *lb}), (rhs, rhs_dims, {*rc, *rb})):
     for d, size in enumerate(shape):
       if d not in skip:
         dims[d] = f.new(size)
         out_dims.append(dims[d])
   contracting = []
-  for l, r in zip(lc, rc):
-    lhs_dims[l] = rhs_dims[r] = f.new(lhs[l])
-    contracting.append(lhs_dims[l])
-  flops = 2 * _size(outs[0]) * math.prod(lhs[l] for l in lc)
+  for ld, rd in zip(lc, rc):
+    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+    contracting.append(lhs_dims[ld])
+  flops = 2 * _size(outs[0]) * math.prod(lhs[ld] for ld in lc)
   return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
-
-
-def _conv_specs(params, rank: int):
-  dn = params.get("dimension_numbers")
-  if dn is None:  # lax default: NC..., OI..., NC...
-    spec = tuple(range(rank))
-    return spec, spec, spec
-  return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
 
 
 @register("conv_general_dilated")
@@ -366,9 +345,9 @@ def _conv(params, ins, outs) -> OpRule:
   > 1 (per-group weight gradients) the batch and output-feature dims are unsplit.
   """
   lhs, rhs, out = ins[0], ins[1], outs[0]
-  ls, rs, os_ = _conv_specs(params, len(lhs))
-  groups = int(params.get("feature_group_count", 1))
-  batch_groups = int(params.get("batch_group_count", 1))
+  dn = jx.conv_dims(params, len(lhs))
+  ls, rs, os_ = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  groups, batch_groups = dn.feature_group_count, dn.batch_group_count
   f = _Factors()
   lhs_dims: list[int | None] = [None] * len(lhs)
   rhs_dims: list[int | None] = [None] * len(rhs)
@@ -636,7 +615,8 @@ def _arg_reduction(params, ins, outs) -> OpRule:
 
 @register("gather")
 def _gather(params, ins, outs) -> OpRule:
-  """Derived from GatherDimensionNumbers (indices' last dim is the index vector).
+  """Derived from the gather's dimension numbers (`jx.GatherDims`; indices' last dim
+  is the index vector).
 
   * index batch dims pass to the result's batch dims (and to the operand's
     `operand_batching_dims`, take_along_axis style);
@@ -648,9 +628,9 @@ def _gather(params, ins, outs) -> OpRule:
     the rows it holds, zero elsewhere, and the partial results sum;
   * everything else (the index vector dim, partially sliced indexed dims) is None.
   """
-  dn = params["dimension_numbers"]
+  dn = jx.gather_dims(params)
   operand, indices, out = ins[0], ins[1], outs[0]
-  slice_sizes = tuple(params["slice_sizes"])
+  slice_sizes = dn.slice_sizes
   f = _Factors()
   op_dims: list[int | None] = [None] * len(operand)
   idx_dims: list[int | None] = [None] * len(indices)
@@ -679,7 +659,7 @@ def _gather(params, ins, outs) -> OpRule:
 
 
 def _scatter(params, ins, outs, summing: bool) -> OpRule:
-  """Derived from ScatterDimensionNumbers; inputs are (operand, indices, updates).
+  """Derived from `jx.ScatterDims`; inputs are (operand, indices, updates).
 
   * operand batching dims pass through operand, indices, updates and result;
   * operand window dims the updates cover whole (and not indexed) pass;
@@ -692,7 +672,7 @@ def _scatter(params, ins, outs, summing: bool) -> OpRule:
     others add zero), which the partitioner does for free;
   * everything else stays None (overwrite/mul/min/max scatters never reduce).
   """
-  dn = params["dimension_numbers"]
+  dn = jx.scatter_dims(params)
   operand, indices, updates = ins[0], ins[1], ins[2]
   f = _Factors()
   op_dims: list[int | None] = [None] * len(operand)
@@ -744,6 +724,44 @@ register(*_REPLICATED)(_replicated)
 
 _WARNED: set[str] = set()
 
+# Environment variable that turns strict mode on for a whole process ("1").
+STRICT_ENV = "TAPAS_STRICT_RULES"
+_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "tapas_strict_rules", default=None)
+
+
+def is_strict() -> bool:
+  """Whether a failing rule raises (strict) rather than falling back to replicated.
+
+  The innermost `strict_rules` block decides; outside any, `TAPAS_STRICT_RULES=1`.
+  """
+  inner = _STRICT.get()
+  if inner is not None:
+    return inner
+  return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def strict_rules(enabled: bool = True) -> Iterator[None]:
+  """Within the block, a rule that fails raises instead of replicating its op.
+
+  For rule authors and tests: the default (non-strict) keeps a search going past an
+  equation its rule cannot read, at the price of leaving that op replicated.
+  `strict_rules(False)` turns strict mode off inside a strict process.
+
+  Example:
+    >>> with strict_rules():
+    ...   rule_of("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])
+    Traceback (most recent call last):
+    ...
+    ValueError: dot_general params carry no 'dimension_numbers' (got []); ...
+  """
+  token = _STRICT.set(enabled)
+  try:
+    yield
+  finally:
+    _STRICT.reset(token)
+
 
 def _warn_once(primitive: str, why: str) -> None:
   if primitive not in _WARNED:
@@ -769,6 +787,10 @@ def rule_of(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Any],
     The registered rule, or every dim unsplit (one warning per primitive) when the
     primitive has no rule or its rule fails on these params.
 
+  Raises:
+    Exception: in strict mode (`strict_rules`, `TAPAS_STRICT_RULES=1`), whatever the
+      rule raised, with a note naming the primitive and shapes.
+
   Example:
     >>> rule_of("reduce_sum", {"axes": (1,)}, [(8, 4)], [(8,)]).einsum()
     'ab->a'
@@ -784,6 +806,10 @@ def rule_of(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Any],
     rule = fn(params, ins, outs)
     _check_arity(rule, ins, outs)
   except Exception as e:  # noqa: BLE001 - an odd equation must not stop the search
+    if is_strict():
+      e.add_note(f"tapas_jax.rules: the sharding rule of '{primitive}' failed on "
+                 f"{ins} -> {outs} (strict mode: {STRICT_ENV} or strict_rules())")
+      raise
     _warn_once(primitive, f"the sharding rule failed ({type(e).__name__}: {e})")
     return default_rule(ins, outs)
   return rule

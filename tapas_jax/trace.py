@@ -156,7 +156,8 @@ class Graph:
     outputs: value ids of the function's outputs, flattened.
     output_paths: pytree key path of each output.
     regions: region 0 is the top level, then loop bodies and branches.
-    num_args: number of positional arguments.
+    num_args: number of arguments: the positional ones, then the keyword ones in
+      sorted name order.
     trace_s: seconds spent in `jax.make_jaxpr`.
     walk_s: seconds spent building this graph from the jaxpr.
   """
@@ -249,17 +250,44 @@ def _abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def abstract_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], list[tuple[int, str]]]:
+def abstract_args(args: Sequence[Any], names: Sequence[str] = ()
+                  ) -> tuple[tuple[Any, ...], list[tuple[int, str]]]:
+  """Arguments as `jax.ShapeDtypeStruct` pytrees, and (argument index, key path) per leaf.
+
+  Args:
+    args: positional arguments, then keyword arguments' values.
+    names: the keyword arguments' names, for the last `len(names)` entries of `args`;
+      their leaves' paths start with the name ("batch/inputs").
+  """
   abstract, paths = [], []
+  first_kw = len(args) - len(names)
   for i, arg in enumerate(args):
     flat, treedef = jax.tree_util.tree_flatten_with_path(arg)
     leaves = []
     for path, leaf in flat:
-      p = key_path_str(path) or f"arg{i}"
-      leaves.append(_abstract_leaf(leaf, f"argument {i} at path '{p}'"))
+      p = key_path_str(path)
+      if i >= first_kw:
+        p = f"{names[i - first_kw]}/{p}" if p else names[i - first_kw]
+      p = p or f"arg{i}"
+      where = (f"argument {i}" if i < first_kw else f"keyword argument "
+               f"{names[i - first_kw]!r}") + f" at path '{p}'"
+      leaves.append(_abstract_leaf(leaf, where))
       paths.append((i, p))
     abstract.append(jax.tree_util.tree_unflatten(treedef, leaves))
   return tuple(abstract), paths
+
+
+def flat_call(fn: Callable[..., Any], num_positional: int, names: Sequence[str]
+              ) -> Callable[..., Any]:
+  """`fn` taking its keyword arguments' values positionally, after the positional ones
+  (jit's `in_shardings` only reach positional arguments)."""
+  if not names:
+    return fn
+
+  def call(*flat):
+    return fn(*flat[:num_positional], **dict(zip(names, flat[num_positional:])))
+
+  return call
 
 
 # -- canonical params -------------------------------------------------------------
@@ -274,6 +302,8 @@ _IGNORED_PARAMS = frozenset({"name", "debug_info", "source_info", "ctx_mesh",
 def _canon(value: Any) -> str:
   if value is None or isinstance(value, (bool, int, float, str)):
     return repr(value)
+  if isinstance(value, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+    return _canon_sharding(value)
   if isinstance(value, (tuple, list)):
     return "(" + ",".join(_canon(v) for v in value) + ("," if len(value) == 1 else "") + ")"
   if isinstance(value, np.dtype):
@@ -286,6 +316,27 @@ def _canon(value: Any) -> str:
   if isinstance(value, np.ndarray):
     return f"array{value.shape}{value.dtype}"
   return _ADDRESS.sub("", repr(value))
+
+
+def _canon_sharding(value: Any) -> str:
+  """A sharding in equation params, as far as it changes the program.
+
+  Under `jax.set_mesh`, `broadcast_in_dim`, `iota`, `reshape`, `dot_general`,
+  `reduce_sum`, ... record `sharding=NamedSharding(AbstractMesh(...), P(None, ...))`
+  where they record None without a mesh. A spec that names no axis says nothing (the
+  value is laid out as its inputs or XLA decide), and on Auto axes, the only kind a
+  plan runs on, a named axis is a hint for the partitioner, not a change in what is
+  computed; the mesh itself is the plan's to check, not the program's. So: no axes ->
+  "None", else the spec alone.
+  """
+  spec = value if isinstance(value, jax.sharding.PartitionSpec) else getattr(value, "spec",
+                                                                              None)
+  if spec is None:
+    return "None" if getattr(value, "is_fully_replicated", False) else f"<{type(value).__name__}>"
+  entries = tuple(spec)
+  if all(e is None or e == () for e in entries):
+    return "None"
+  return "P" + _canon(tuple(tuple(e) if isinstance(e, (tuple, list)) else e for e in entries))
 
 
 def _digest(text: str) -> str:
@@ -436,13 +487,17 @@ def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
   return _digest(";".join(parts))
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> Graph:
-  """Traces `fn(*args)` abstractly into a `Graph`.
+def trace(fn: Callable[..., Any], *args: Any, kwargs: Mapping[str, Any] | None = None
+          ) -> Graph:
+  """Traces `fn(*args, **kwargs)` abstractly into a `Graph`.
 
   Args:
     fn: any JAX-traceable callable (a train step, a flax apply, a plain function).
     *args: its positional arguments: pytrees of arrays or `jax.ShapeDtypeStruct`.
       Nothing is allocated and nothing runs on a device.
+    kwargs: its keyword arguments, likewise. They become graph arguments after the
+      positional ones, in sorted name order (as `jax.jit` flattens them), and their
+      leaves' paths start with the name.
 
   Returns:
     The `Graph` with one op per equation, inputs keyed by pytree path.
@@ -456,18 +511,22 @@ def trace(fn: Callable[..., Any], *args: Any) -> Graph:
     >>> g.inputs[0].path, len(g.ops)
     ('w', 2)
   """
-  return trace_with_jaxpr(fn, *args)[0]
+  return trace_with_jaxpr(fn, *args, kwargs=kwargs)[0]
 
 
-def trace_with_jaxpr(fn: Callable[..., Any], *args: Any) -> tuple[Graph, Any, Any]:
+def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
+                     kwargs: Mapping[str, Any] | None = None) -> tuple[Graph, Any, Any]:
   """`trace`, also returning the closed jaxpr walked and its output shape pytree
   (`apply` re-interprets that very jaxpr, so equation sites match `Op.site`)."""
   if not callable(fn):
     raise TraceError(f"trace: fn must be callable, got {type(fn).__name__} ({fn!r:.60})")
-  abstract, paths = abstract_args(args)
+  names = sorted(kwargs or {})
+  args = tuple(args) + tuple(kwargs[k] for k in names)
+  abstract, paths = abstract_args(args, names)
   start = time.perf_counter()
   try:
-    closed, out_shape = jx.make_jaxpr(fn, *abstract)
+    closed, out_shape = jx.make_jaxpr(flat_call(fn, len(args) - len(names), names),
+                                      *abstract)
   except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
     shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
                        zip(paths[:6], jax.tree.leaves(abstract)))

@@ -1,24 +1,79 @@
 """The public surface is small and pinned."""
 
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tapas_jax as tapas
+import tapas_jax.fold
+import tapas_jax.trace
+from tapas_jax import options
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
-      "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "TraceError", "apply",
-      "fold", "make_mesh", "models", "place", "search", "trace"]
+      "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
+      "TraceError", "apply", "fold", "make_mesh", "models", "place", "search", "shard",
+      "trace"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 
 
 def test_stage_functions_are_importable_from_their_modules():
-  from tapas_jax.fold import fold
-  from tapas_jax.trace import trace
-  assert callable(trace) and callable(fold)
-  assert tapas.trace.trace is trace and tapas.fold.fold is fold
+  assert callable(tapas_jax.trace.trace) and callable(tapas_jax.fold.fold)
+  assert tapas.trace.trace is tapas_jax.trace.trace and tapas.fold.fold is tapas_jax.fold.fold
+
+
+def _python(code: str) -> str:
+  """Runs `code` in a fresh interpreter on this checkout; returns its stdout."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert done.returncode == 0, done.stderr
+  return done.stdout.strip()
+
+
+def test_import_tapas_jax_loads_no_flax_or_optax():
+  # The zoo (flax, optax) loads on first use of `tapas.models`, and the flax module
+  # integration (`shard_flax`) when `tapas.shard` first meets a Module class; the rest of
+  # the library needs neither.
+  code = "import tapas_jax, sys; print('flax' in sys.modules, 'optax' in sys.modules)"
+  assert _python(code) == "False False"
+  every_module = """
+import importlib, pkgutil, sys
+import tapas_jax, tapas_jax.solver
+names = [m.name for pkg in (tapas_jax, tapas_jax.solver)  # not walk_packages: it imports
+         for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]  # the zoo
+for name in names:
+  if name not in ("tapas_jax.models", "tapas_jax.shard_flax"):
+    importlib.import_module(name)
+print(len(names) > 10, [m for m in ("flax", "optax") if m in sys.modules])
+"""
+  assert _python(every_module) == "True []"
+
+
+def test_models_loads_lazily_and_is_the_zoo():
+  code = """
+import sys
+import tapas_jax as tapas
+assert "tapas_jax.models" not in sys.modules and "models" in dir(tapas)
+zoo = tapas.models
+from tapas_jax import models
+assert zoo is models is sys.modules["tapas_jax.models"]
+print("gpt" in models.FAMILIES, "flax" in sys.modules)
+"""
+  assert _python(code) == "True True"
+  with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+    tapas.no_such_thing  # noqa: B018
 
 
 def test_make_mesh_gives_auto_axes():
@@ -38,3 +93,131 @@ def test_explicit_mesh_is_rejected_with_a_fix():
                            axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   with pytest.raises(tapas.MeshError, match="not AxisType.Auto.*tapas_jax.make_mesh"):
     tapas.mesh.check_auto(explicit)
+
+
+# -- options are checked before anything is traced ----------------------------------
+
+W, X = jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((64, 8), jnp.float32)
+GOOD = dict(mesh={"data": 2, "model": 4}, device="cpu")
+
+BAD_SEARCH_OPTIONS = [
+    ({"mesh": {"data": 2.5, "model": 4}}, tapas.MeshError, r"'data' has size 2.5 .*positive int"),
+    ({"mesh": {"data": True, "model": 8}}, tapas.MeshError, r"'data' has size True \(bool\)"),
+    ({"mesh": {"data": 0, "model": 8}}, tapas.MeshError, r"'data' has size 0"),
+    ({"mesh": {"data": -2}}, tapas.MeshError, r"'data' has size -2"),
+    ({"mesh": {1: 8}}, tapas.MeshError, r"axis name 1 is a int.*strings"),
+    ({"mesh": {}}, tapas.MeshError, "no axes"),
+    ({"mesh": (2, 4)}, tapas.MeshError, r"is a tuple; pass a dict of axis sizes"),
+    ({"device": "h1000"}, ValueError, r"device='h1000' is not a known device profile.*h100"),
+    ({"memory_budget": "16 gigs"}, ValueError,
+     r"memory_budget='16 gigs' is not a memory size.*GiB"),
+    ({"memory_budget": -1}, ValueError, "must be a positive number of bytes"),
+    ({"memory_budget": 0}, ValueError, "must be a positive number of bytes"),
+    ({"memory_budget": "-3GB"}, ValueError, "is not a memory size"),
+    ({"memory_budget": float("nan")}, ValueError, "must be a positive number of bytes"),
+    ({"memory_budget": [16]}, ValueError, r"memory_budget=\[16\] is a list"),
+    ({"batch_axes": "dat"}, ValueError, r"batch_axes names 'dat', which is not an axis.*'data'"),
+    ({"batch_axes": ("data", "pipe")}, ValueError, "batch_axes names 'pipe'"),
+    ({"batch_axes": 3}, ValueError, r"batch_axes=3 is a int; give one mesh axis name"),
+    ({"batch_axes": ("data", "data")}, ValueError, "names an axis twice"),
+    ({"fold": "yes"}, ValueError, r"fold='yes' is a str; use True or False"),
+    ({"fold": 1}, ValueError, r"fold=1 is a int; use True or False"),
+    ({"solver": "cplex"}, ValueError, r"solver='cplex' is not a solver.*'elimination', 'ilp'"),
+    ({"time_limit": 0}, ValueError, "time_limit=0 must be a positive number of seconds"),
+    ({"time_limit": "10s"}, ValueError, "time_limit='10s' must be a positive number"),
+    ({"links": {"pipe": "inter"}}, ValueError, "links names axis 'pipe'"),
+    ({"kwargs": [("x", X)]}, ValueError, "kwargs=.* is a list; pass the step's keyword"),
+]
+
+
+@pytest.mark.parametrize("bad,error,message", BAD_SEARCH_OPTIONS,
+                         ids=[repr(b)[:40] for b, _, _ in BAD_SEARCH_OPTIONS])
+def test_search_checks_each_option_before_tracing(bad, error, message):
+  traced = []
+
+  def loss(w, x):
+    traced.append(1)
+    return jnp.sum(x @ w)
+
+  with pytest.raises(error, match=message):
+    tapas.search(loss, W, X, **{**GOOD, **bad})
+  assert not traced, "the option was checked only after tracing"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("16GiB", 16 * 2**30), ("16GB", 16e9), ("1.5 TiB", 1.5 * 2**40), ("512MiB", 512 * 2**20),
+    ("512 mib", 512 * 2**20), ("2e9", 2e9), ("100B", 100), (3 * 2**30, 3 * 2**30),
+    (None, None)])
+def test_memory_sizes_count_decimal_and_binary_units(text, expected):
+  assert options.memory_bytes(text) == expected
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("data", ("data",)), (["data", "model"], ("data", "model")), (None, None),
+    ((), ()), ("default", "default")])
+def test_batch_axes_take_one_name_or_a_sequence(value, expected):
+  assert options.batch_axes(value, {"data": 2, "model": 4}) == expected
+
+
+def test_one_batch_axis_name_is_not_read_letter_by_letter():
+  big = (jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+         jax.ShapeDtypeStruct((65536, 4096), jnp.float32))
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  plan = tapas.search(f, *big, batch_axes="model", mesh={"data": 2, "model": 4}, device="h100")
+  assert plan.in_specs[1][0] == "model"
+  plan = tapas.search(f, *big, batch_axes=("data", "model"), mesh={"data": 2, "model": 4},
+                      device="h100")
+  assert plan.in_specs[1][0] == ("data", "model")
+
+
+def test_memory_budget_string_plans_like_its_bytes():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  a = tapas.search(f, W, X, memory_budget="1MiB", **GOOD)
+  b = tapas.search(f, W, X, memory_budget=2**20, **GOOD)
+  assert a.in_specs == b.in_specs and a.stats == dataclasses.replace(
+      b.stats, trace_s=a.stats.trace_s, fold_s=a.stats.fold_s, search_s=a.stats.search_s)
+
+
+BAD_MAKE_MESH = [
+    ({"data": 2.0, "model": 4}, r"'data' has size 2.0 .*did you mean 2"),
+    ({"data": True, "model": 8}, r"size True \(bool\)"),
+    ({"data": 8, 3: 1}, "axis name 3"),
+    ([("data", 8)], "is a list; pass a dict"),
+]
+
+
+@pytest.mark.parametrize("axes,message", BAD_MAKE_MESH)
+def test_make_mesh_checks_names_and_sizes(axes, message):
+  with pytest.raises(tapas.MeshError, match=message):
+    tapas.make_mesh(axes)
+
+
+def _plan():
+  return tapas.search(lambda w, x: jnp.sum(x @ w), W, X, **GOOD)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda plan: tapas.apply("plan.json", lambda w, x: w),
+     "first argument must be a tapas Plan"),
+    (lambda plan: tapas.apply(plan, None), "fn must be callable"),
+    (lambda plan: tapas.apply(plan, lambda w, x: w, donate_argnums=2),
+     "names argument 2, but the plan has 2 positional"),
+    (lambda plan: tapas.apply(plan, lambda w, x: w, donate_argnums="0"),
+     "must be an int or a sequence of ints"),
+    (lambda plan: tapas.apply(plan, lambda w, x: w, mesh={"data": 2, "model": 4}),
+     r"is a dict; pass a jax.sharding.Mesh"),
+    (lambda plan: tapas.place(plan, np.ones((8, 8)), kwargs=3), "kwargs=3 is a int"),
+    (lambda plan: tapas.place(plan, np.ones((8, 8))),
+     r"called with 2 positional argument\(s\); got 1 positional"),
+])
+def test_apply_and_place_check_their_options(call, message):
+  with pytest.raises(ValueError, match=message):
+    call(_plan())
+
+
+def test_a_mesh_mismatch_names_the_axis():
+  with pytest.raises(tapas.MeshError, match="axis 'data' has size 4, the plan's 2"):
+    tapas.apply(_plan(), lambda w, x: w, mesh=tapas.make_mesh({"data": 4, "model": 2}))
+  with jax.set_mesh(tapas.make_mesh({"data": 8})):
+    with pytest.raises(tapas.MeshError, match="the mesh set by jax.set_mesh.*'data' has size 8"):
+      tapas.apply(_plan(), lambda w, x: w)

@@ -109,3 +109,61 @@ def test_apply_rejects_a_mesh_with_other_axes():
   with pytest.raises(tapas.MeshError, match="not AxisType.Auto"):
     tapas.apply(plan, lambda s, b: s, mesh=jax.make_mesh(
         (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2))
+
+
+def _losses(plan, m, *, mesh_ctx=None, kwargs=False):
+  """Loss of one applied step and of the plain jitted step, on the same data."""
+  state = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), 8)
+  ref = jax.jit(m.train_step())(state, batch)[1]["loss"]
+  if mesh_ctx is not None:
+    with jax.set_mesh(mesh_ctx):
+      return _losses(plan, m, kwargs=kwargs)[0], ref
+  step = tapas.apply(plan, m.train_step())
+  if kwargs:
+    (state,), kw = tapas.place(plan, state, kwargs={"batch": batch})
+    return step(state, **kw)[1]["loss"], ref
+  return step(*tapas.place(plan, state, batch))[1]["loss"], ref
+
+
+def test_a_plan_searched_outside_a_mesh_context_runs_inside_one_and_back():
+  m, outside = planned("gpt", "search")
+  mesh = tapas.make_mesh(MESH)
+  got, ref = _losses(outside, m, mesh_ctx=mesh)
+  np.testing.assert_allclose(got, ref, rtol=2e-6)
+  with jax.set_mesh(mesh):
+    inside = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8), mesh=mesh,
+                          device="cpu")
+    # Lowering under the mesh context, as most JAX code runs.
+    tapas.apply(outside, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
+  assert inside.fingerprint == outside.fingerprint
+  got, ref = _losses(inside, m)
+  np.testing.assert_allclose(got, ref, rtol=2e-6)
+
+
+def test_keyword_arguments_are_searched_applied_and_placed():
+  m = models.get_model("gpt", "tiny")
+  plan = tapas.search(m.train_step(), m.abstract_state(), kwargs={"batch": m.batch_spec(8)},
+                      mesh=MESH, device="cpu")
+  _, positional = planned("gpt", "search")
+  assert plan.kwargs_specs["batch"] == positional.in_specs[1]
+  assert plan.in_specs == positional.in_specs[:1]
+  got, ref = _losses(plan, m, kwargs=True)
+  np.testing.assert_allclose(got, ref, rtol=2e-6)
+  step = tapas.apply(plan, m.train_step())
+  with pytest.raises(ValueError, match=r"called with 1 positional argument\(s\) and "
+                     r"keyword\(s\) \['batch'\]; got 2 positional"):
+    step.lower(m.abstract_state(), m.batch_spec(8))
+
+
+def test_an_argument_committed_elsewhere_is_named_with_the_fix():
+  m, plan = planned("gpt", "search")
+  state = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), 8)
+  mesh = tapas.make_mesh(MESH)
+  (state,) = tapas.place(plan, state, batch)[:1]
+  wrong = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("model")))
+  assert plan.in_specs[1]["inputs"] != PartitionSpec("model")
+  with pytest.raises(ValueError, match=r"argument 1 at path 'inputs' is committed to "
+                     r"NamedSharding.*'model'.*the plan stores it as .*tapas.place\(plan"):
+    tapas.apply(plan, m.train_step())(state, wrong)

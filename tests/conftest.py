@@ -7,6 +7,9 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A sharding rule that fails raises in tests instead of replicating its op with a
+# warning (`tapas_jax.rules.strict_rules`); tests of the fallback turn it off locally.
+os.environ["TAPAS_STRICT_RULES"] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+from jax.sharding import PartitionSpec
 
 from tapas_jax import cost
 from tapas_jax.cost import Layout
@@ -128,8 +129,6 @@ def test_layout_normalises_entries_like_a_partition_spec():
 
 
 def test_partition_spec_form_builds_a_jax_partition_spec():
-  from jax.sharding import PartitionSpec
-
   spec = PartitionSpec(*Layout(("data", None, ("a", "b"))).to_partition_spec())
   assert spec == PartitionSpec("data", None, ("a", "b"))
 

@@ -54,8 +54,10 @@ def test_from_linen_rejects_mismatched_params():
 def test_rope_depends_only_on_relative_position():
   head_dim = 16
   q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, head_dim))
-  rope = lambda x, pos: llama.apply_rope(x, jnp.array([pos]), 10000.0)[0, 0, 0]
-  dot = lambda m, n: jnp.dot(rope(q, m), rope(k, n))
+  def rope(x, pos):
+    return llama.apply_rope(x, jnp.array([pos]), 10000.0)[0, 0, 0]
+  def dot(m, n):
+    return jnp.dot(rope(q, m), rope(k, n))
   np.testing.assert_allclose(dot(3, 1), dot(10, 8), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dot(0, 5), dot(20, 25), rtol=1e-5, atol=1e-5)
   assert not np.allclose(dot(3, 1), dot(3, 2), rtol=1e-3)

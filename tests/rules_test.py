@@ -1,5 +1,6 @@
 """rules: per-primitive sharding rules, checked on the zoo, pinned, run on 8 devices."""
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -11,8 +12,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tapas_jax
-from tapas_jax import models, rules
+from tapas_jax import _jax_internals as jx
+from tapas_jax import cost, models, rules
 from tapas_jax.rules import OpRule, rule_for, rule_of
+from tapas_jax.solver.problem import build_problem
+from tapas_jax.solver.tables import TableBuilder
 from tapas_jax.trace import Graph, trace
 
 F32 = jnp.float32
@@ -54,6 +58,37 @@ def assert_rule(rule: OpRule, spec: str, reduce: str = "", sizes: dict | None = 
   assert {letter_of[f] for f in rule.reduce} == set(reduce), (rule.reduce, reduce)
   for c, size in (sizes or {}).items():
     assert rule.factor_sizes[factor_of[c]] == size, (c, rule.factor_sizes)
+
+
+MESH_AXES = {"data": 2, "model": 4}
+
+
+def production_layouts(graph: Graph, op, assignment, axis_sizes=None):
+  """(operand layouts, result layouts) of `op` with its factors split as `assignment`
+  says ({factor: mesh axes}), derived the way the search prices them.
+
+  The assignment becomes a choice of dimension classes the search could make (each
+  class splittable, the axes in its domain), and the solver's cost tables turn that
+  choice into layouts (`TableBuilder.op_layouts`: `mesh_dims`, partial sums). The
+  op's cost table must price the choice finite. None: it prices it inf (and the
+  tables give no layouts).
+  """
+  spec = cost.mesh_spec(axis_sizes or MESH_AXES, "cpu")
+  problem = build_problem(graph, spec, cost.get_profile("cpu"), batch_axes=None)
+  fclass = problem.factor_class[op.index]
+  choice = {}
+  for f, axes in assignment.items():
+    assert f is not None, f"assignment {assignment} names a dim the rule keeps whole"
+    c, axes = fclass[f], tuple(axes)
+    assert c >= 0 and problem.classes[c].splittable, (f, problem.classes[c])
+    assert axes in problem.domains[c], (f, axes, problem.domains[c])
+    assert choice.setdefault(c, axes) == axes, (f, choice)
+  builder = TableBuilder(problem, reuse=False)
+  layouts = builder.op_layouts(op, choice)
+  (table,) = builder.op_tables(op)
+  idx = tuple(problem.domains[c].index(choice.get(c, ())) for c in table.scope)
+  assert np.isfinite(table.value[idx]) == (layouts is not None), (table.value[idx], layouts)
+  return layouts
 
 
 def rule_of_fn(fn, *args, primitive=None):
@@ -119,9 +154,11 @@ def test_zoo_has_every_listed_primitive_and_no_warnings():
 def test_resnet_weight_gradient_convs_reduce_over_the_batch():
   g = zoo_graph("resnet")
   convs = [op for op in g.ops if op.primitive == "conv_general_dilated"]
-  assert {op.raw_params["batch_group_count"] for op in convs} == {1}
+  dims = {op.index: jx.conv_dims(op.raw_params, len(g.types[op.inputs[0]].shape))
+          for op in convs}
+  assert {d.batch_group_count for d in dims.values()} == {1}
   # Backward-pass kernel gradients put the image batch in the lhs feature slot.
-  wgrads = [op for op in convs if op.raw_params["dimension_numbers"].lhs_spec[1] == 0]
+  wgrads = [op for op in convs if dims[op.index].lhs_spec[1] == 0]
   assert wgrads
   for op in wgrads:
     rule = rule_for(g, op)
@@ -143,16 +180,18 @@ def test_dot_general_attention_scores():
 
 
 def test_matmul_contracting_factor_is_reduce():
-  _, _, r = rule_of_fn(lambda x, w: x @ w, sds(2, 8, 32), sds(32, 64))
+  g, op, r = rule_of_fn(lambda x, w: x @ w, sds(2, 8, 32), sds(32, 64))
   assert_rule(r, "bsk,kf->bsf", reduce="k")
   assert r.flops == 2 * 2 * 8 * 32 * 64
-  ins, outs = r.layouts({0: ("data",), 3: ("model",)})
+  b, k = r.inputs[0][0], r.inputs[0][2]
+  ins, outs = production_layouts(g, op, {b: ("data",), k: ("model",)})
   assert ins[0].to_partition_spec() == ("data", None, "model")
   assert ins[1].to_partition_spec() == ("model", None)
   assert outs[0].to_partition_spec() == ("data", None, None)
   assert outs[0].partial == ("model",)
-  assert r.flops_per_device({0: ("data",), 3: ("model",)}, {"data": 2, "model": 4}) == (
-      r.flops / 8)
+  assert r.flops_per_device({b: ("data",), k: ("model",)}, MESH_AXES) == r.flops / 8
+  # One mesh axis on two factors of one op: the cost table rules it out.
+  assert production_layouts(g, op, {k: ("model",), r.inputs[1][1]: ("model",)}) is None
 
 
 def test_reshape_split_heads_splits_major_only():
@@ -301,7 +340,104 @@ def test_op_rule_rejects_input_only_factors():
     OpRule((4,), inputs=((0,),), outputs=((0,),), reduce=(0,))
 
 
-# -- (3) the layouts a rule allows compute the right numbers ----------------------
+# -- (3) JAX param objects parsed into plain ints ---------------------------------
+
+
+def _conv(x, w):
+  return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _last_op(fn, primitive, *args):
+  g = trace(fn, *args)
+  return g, [op for op in g.ops if op.primitive == primitive][-1]
+
+
+I32 = jnp.int32
+PARSED = [
+    ("dot", lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k), "dot_general",
+     (sds(2, 8, 4, 16), sds(2, 6, 4, 16)), jx.dot_dims,
+     jx.DotDims(lhs_contracting=(3,), rhs_contracting=(3,), lhs_batch=(0, 2),
+                rhs_batch=(0, 2))),
+    ("gather_take", lambda e, i: jnp.take(e, i, axis=0), "gather",
+     (sds(256, 64), sds(2, 8, dtype=I32)), jx.gather_dims,
+     jx.GatherDims(offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0,),
+                   operand_batching_dims=(), start_indices_batching_dims=(),
+                   slice_sizes=(1, 64))),
+    ("gather_take_along_axis",
+     lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1), "gather",
+     (sds(2, 8, 100), sds(2, 8, dtype=I32)), jx.gather_dims,
+     jx.GatherDims(offset_dims=(), collapsed_slice_dims=(2,), start_index_map=(2,),
+                   operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1),
+                   slice_sizes=(1, 1, 1))),
+    ("scatter_add_embedding_grad", jax.grad(lambda e, i: jnp.take(e, i, axis=0).sum()),
+     "scatter-add", (sds(256, 64), sds(2, 8, dtype=I32)), jx.scatter_dims,
+     jx.ScatterDims(update_window_dims=(2,), inserted_window_dims=(0,),
+                    scatter_dims_to_operand_dims=(0,), operand_batching_dims=(),
+                    scatter_indices_batching_dims=())),
+    ("scatter_add_take_along_axis_grad",
+     jax.grad(lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1).sum()),
+     "scatter-add", (sds(2, 8, 100), sds(2, 8, dtype=I32)), jx.scatter_dims,
+     jx.ScatterDims(update_window_dims=(), inserted_window_dims=(2,),
+                    scatter_dims_to_operand_dims=(2,), operand_batching_dims=(0, 1),
+                    scatter_indices_batching_dims=(0, 1))),
+    ("conv_nhwc", _conv, "conv_general_dilated", (sds(2, 8, 8, 4), sds(3, 3, 4, 16)),
+     functools.partial(jx.conv_dims, rank=4),
+     jx.ConvDims(lhs_spec=(0, 3, 1, 2), rhs_spec=(3, 2, 0, 1), out_spec=(0, 3, 1, 2))),
+    # The kernel gradient: the image batch sits in the lhs feature slot.
+    ("conv_weight_grad", jax.grad(lambda w, x: _conv(x, w).sum()), "conv_general_dilated",
+     (sds(3, 3, 4, 16), sds(2, 8, 8, 4)), functools.partial(jx.conv_dims, rank=4),
+     jx.ConvDims(lhs_spec=(3, 0, 1, 2), rhs_spec=(3, 0, 1, 2), out_spec=(2, 3, 0, 1))),
+]
+
+
+@pytest.mark.parametrize("fn, primitive, args, parse, expected",
+                         [case[1:] for case in PARSED], ids=[case[0] for case in PARSED])
+def test_params_parse_into_plain_ints(fn, primitive, args, parse, expected):
+  _, op = _last_op(fn, primitive, *args)
+  got = parse(op.raw_params)
+  assert got == expected
+  for field in dataclasses.fields(got):  # nothing of JAX's left inside
+    value = getattr(got, field.name)
+    assert type(value) in (int, tuple), (field.name, type(value))
+    assert all(type(v) is int for v in (value if isinstance(value, tuple) else (value,)))
+
+
+def test_conv_dims_default_layout_and_groups():
+  assert jx.conv_dims({}, 3) == jx.ConvDims((0, 1, 2), (0, 1, 2), (0, 1, 2))
+  dn = jax.lax.conv_dimension_numbers((2, 8, 8, 4), (3, 3, 1, 4), ("NHWC", "HWIO", "NHWC"))
+  got = jx.conv_dims(dict(dimension_numbers=dn, feature_group_count=4,
+                          batch_group_count=1), 4)
+  assert (got.feature_group_count, got.batch_group_count) == (4, 1)
+
+
+def test_scan_counts_from_a_real_scan():
+  _, op = _last_op(lambda c, xs, k: jax.lax.scan(lambda c, x: (c * k + x, c), c, xs),
+                   "scan", sds(4), sds(3, 4), sds(4))
+  counts = jx.scan_counts(op.raw_params)
+  if "num_consts" in op.raw_params:  # jax <= 0.10; 0.11 dropped the counts
+    assert counts == jx.ScanCounts(num_consts=1, num_carry=1)
+  else:
+    assert counts is None
+
+
+@pytest.mark.parametrize("parse, params, match", [
+    (jx.dot_dims, {}, "dot_general params carry no 'dimension_numbers'"),
+    (jx.dot_dims, {"dimension_numbers": ((0,), (1,))}, "lhs_contracting"),
+    (jx.dot_dims, {"dimension_numbers": (((0, 1), (0,)), ((), ()))}, "do not pair up"),
+    (jx.gather_dims, {"slice_sizes": (1,)}, "gather params carry no"),
+    (jx.scatter_dims, {}, "scatter params carry no"),
+    (functools.partial(jx.conv_dims, rank=4),
+     {"dimension_numbers": ((0, 1, 2), (0, 1, 2), (0, 1, 2))}, "rank 4"),
+    (functools.partial(jx.conv_dims, rank=4),
+     {"dimension_numbers": ("NHWC", "HWIO", "NHWC")}, "dim indices"),
+])
+def test_param_parsers_reject_malformed_params(parse, params, match):
+  with pytest.raises(ValueError, match=match):
+    parse(params)
+
+
+# -- (4) the layouts a rule allows compute the right numbers ----------------------
 
 
 @pytest.fixture(scope="module")
@@ -313,16 +449,19 @@ def _spec(layout) -> P:
   return P(*layout.to_partition_spec())
 
 
-def check_sharded(fn, args, rule, assignment, mesh, local_fn=None):
-  """Runs `fn` with inputs laid out as `rule` says and compares to the unsharded run.
+def check_sharded(fn, args, graph, op, assignment, mesh, local_fn=None):
+  """Runs `fn` with inputs laid out as the search would lay out `op` of `graph` under
+  `assignment` ({factor: mesh axes}; see `production_layouts`) and compares to the
+  unsharded run.
 
   With `local_fn`, also runs it per device on the local shards (shard_map) and
   combines partial results over the reduce axes: that checks the rule's meaning,
   not only that the layouts are accepted.
   """
-  ins, outs = rule.layouts(assignment)
+  rule = rule_for(graph, op)
+  ins, outs = production_layouts(graph, op, assignment, dict(mesh.shape))
   expected = fn(*args)
-  in_shardings = tuple(NamedSharding(mesh, _spec(l)) for l in ins)
+  in_shardings = tuple(NamedSharding(mesh, _spec(layout)) for layout in ins)
   out_sharding = None if outs[0].partial else NamedSharding(mesh, _spec(outs[0]))
   placed = [jax.device_put(a, s) for a, s in zip(args, in_shardings)]
   got = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_sharding)(*placed)
@@ -335,7 +474,7 @@ def check_sharded(fn, args, rule, assignment, mesh, local_fn=None):
     out = local_fn(*local)
     return combine(out, outs[0].partial) if outs[0].partial else out
 
-  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(l) for l in ins),
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(x) for x in ins),
                           out_specs=P(*outs[0].to_partition_spec()))
   np.testing.assert_allclose(jax.jit(sharded)(*args), expected, rtol=1e-5, atol=1e-5)
 
@@ -351,40 +490,40 @@ def _factor(rule, tensor, dim, outputs=False):
 def test_numerics_matmul_batch_and_contracting_split(mesh):
   fn = lambda x, w: x @ w  # noqa: E731
   args = (_rand(0, 4, 8, 16), _rand(1, 16, 32))
-  _, _, r = rule_of_fn(fn, *args)
+  g, op, r = rule_of_fn(fn, *args)
   assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
-  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
   assign = {_factor(r, 0, 1): ("data",), _factor(r, 1, 1): ("model",)}
-  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
 
 
 def test_numerics_attention_scores_heads_split(mesh):
   fn = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k)  # noqa: E731
   args = (_rand(0, 2, 8, 4, 16), _rand(1, 2, 8, 4, 16))
-  _, _, r = rule_of_fn(fn, *args, primitive="dot_general")
+  g, op, r = rule_of_fn(fn, *args, primitive="dot_general")
   assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
-  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
 
 
 def test_numerics_reshape_split_heads(mesh):
   fn = lambda x: x.reshape(x.shape[0], x.shape[1], -1, 16)  # noqa: E731
   args = (_rand(0, 2, 8, 64),)
-  _, _, r = rule_of_fn(fn, *args)
+  g, op, r = rule_of_fn(fn, *args)
   assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
-  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
   # The merged direction, with the factor split over both axes at once.
   fn = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731
   args = (_rand(1, 2, 8, 16),)
-  _, _, r = rule_of_fn(fn, *args)
-  check_sharded(fn, args, r, {_factor(r, 0, 1): ("data", "model")}, mesh, local_fn=fn)
+  g, op, r = rule_of_fn(fn, *args)
+  check_sharded(fn, args, g, op, {_factor(r, 0, 1): ("data", "model")}, mesh, local_fn=fn)
 
 
 def test_numerics_reduce_sum_and_max_partial(mesh):
   for fn in (lambda x: jnp.sum(x, axis=1), lambda x: jnp.max(x, axis=1)):
     args = (_rand(0, 4, 8, 6),)
-    _, _, r = rule_of_fn(fn, *args)
+    g, op, r = rule_of_fn(fn, *args)
     assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 1): ("model",)}
-    check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+    check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
 
 
 def test_numerics_conv_nhwc_batch_and_input_features(mesh):
@@ -393,9 +532,9 @@ def test_numerics_conv_nhwc_batch_and_input_features(mesh):
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
   args = (_rand(0, 2, 6, 6, 8), _rand(1, 3, 3, 8, 4))
-  _, _, r = rule_of_fn(fn, *args)
+  g, op, r = rule_of_fn(fn, *args)
   assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 3): ("model",)}
-  check_sharded(fn, args, r, assign, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
 
 
 def test_numerics_conv_weight_gradient_reduces_batch(mesh):
@@ -412,18 +551,21 @@ def test_numerics_conv_weight_gradient_reduces_batch(mesh):
   dy = jnp.ones((8, 6, 6, 8), F32)
   args = (x, dy)
   assert [g.types[v].shape for v in op.inputs] == [a.shape for a in args]
-  check_sharded(fn, args, r, {n: ("data", "model")}, mesh, local_fn=fn)
+  check_sharded(fn, args, g, op, {n: ("data", "model")}, mesh, local_fn=fn)
 
 
 def test_numerics_broadcast_and_elementwise(mesh):
-  fn = lambda x, b: x * b[None, :]  # noqa: E731
+  fn = lambda x, b: x * jnp.broadcast_to(b, x.shape)  # noqa: E731
   args = (_rand(0, 4, 8), _rand(1, 8))
   g = trace(fn, *args)
-  r = rule_for(g, only(g, "broadcast_in_dim"))
-  check_sharded(lambda b: b[None, :], args[1:], r,
+  op = only(g, "broadcast_in_dim")
+  r = rule_for(g, op)
+  assert r.inputs[0] == (r.outputs[0][1],)  # the new dim is output-only
+  check_sharded(lambda b: jnp.broadcast_to(b, (4, 8)), args[1:], g, op,
                 {r.outputs[0][0]: ("data",), r.outputs[0][1]: ("model",)}, mesh)
-  r = rule_for(g, only(g, "mul"))
-  check_sharded(lambda x, b2: x * b2, (args[0], args[1][None, :]), r,
+  op = only(g, "mul")
+  r = rule_for(g, op)
+  check_sharded(lambda x, b2: x * b2, (args[0], jnp.broadcast_to(args[1], (4, 8))), g, op,
                 {r.outputs[0][0]: ("data",), r.outputs[0][1]: ("model",)}, mesh)
 
 
@@ -435,7 +577,7 @@ def test_numerics_embedding_gather_and_scatter_add(mesh):
   (v,) = r.reduce
   fn = functools.partial(jax.lax.gather, **op.raw_params)
   assert [g.types[x].shape for x in op.inputs] == [emb.shape, ids.shape]
-  check_sharded(fn, (emb, ids), r, {v: ("model",), r.inputs[1][0]: ("data",)}, mesh)
+  check_sharded(fn, (emb, ids), g, op, {v: ("model",), r.inputs[1][0]: ("data",)}, mesh)
 
   g = trace(jax.grad(lambda e, i: jnp.take(e, i[..., 0], axis=0).sum()), emb, ids)
   op = only(g, "scatter-add")
@@ -446,10 +588,10 @@ def test_numerics_embedding_gather_and_scatter_add(mesh):
   assert [g.types[x].shape for x in op.inputs] == [a.shape for a in args]
   batch, vocab = r.inputs[2][0], r.outputs[0][0]
   assert batch in r.reduce
-  check_sharded(fn, args, r, {vocab: ("model",), batch: ("data",)}, mesh)
+  check_sharded(fn, args, g, op, {vocab: ("model",), batch: ("data",)}, mesh)
 
 
-# -- (4) unknown primitives and loops ---------------------------------------------
+# -- (5) unknown primitives, failing rules and loops -----------------------------
 
 
 def test_unknown_primitive_warns_once_and_is_replicated(monkeypatch):
@@ -467,11 +609,48 @@ def test_unknown_primitive_warns_once_and_is_replicated(monkeypatch):
     assert rule_for(g, op) == r
 
 
-def test_failing_rule_falls_back_to_replicated(monkeypatch):
+BROKEN_DOT = ("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])  # no dimension numbers
+
+
+def test_failing_rule_falls_back_to_replicated_with_one_warning(monkeypatch):
   monkeypatch.setattr(rules, "_WARNED", set())
-  with pytest.warns(UserWarning, match="rule failed"):
-    r = rule_of("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])
+  with rules.strict_rules(False):
+    with pytest.warns(UserWarning, match="rule failed.*'dot_general'") as record:
+      r = rule_of(*BROKEN_DOT)
+      assert rule_of(*BROKEN_DOT) == r
+  assert len([w for w in record if "rule failed" in str(w.message)]) == 1
   assert r == rules.default_rule([(4, 8), (8, 2)], [(4, 2)])
+
+
+def test_strict_mode_reraises_with_a_note(monkeypatch):
+  monkeypatch.setattr(rules, "_WARNED", set())
+  assert rules.is_strict()  # tests/conftest.py turns it on for the session
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(ValueError, match="dimension_numbers") as info:
+      rule_of(*BROKEN_DOT)
+  assert any("'dot_general'" in note and "(4, 8)" in note
+             for note in getattr(info.value, "__notes__", ()))
+
+
+@pytest.mark.parametrize("env, block, strict", [
+    ("1", None, True),
+    ("0", None, False),
+    ("", None, False),
+    ("0", True, True),    # the innermost setting wins
+    ("1", False, False),
+])
+def test_strict_mode_switches(monkeypatch, env, block, strict):
+  monkeypatch.setenv(rules.STRICT_ENV, env)
+  if block is None:
+    assert rules.is_strict() == strict
+  else:
+    with rules.strict_rules(block):
+      assert rules.is_strict() == strict
+      with rules.strict_rules(not block):
+        assert rules.is_strict() == (not strict)
+      assert rules.is_strict() == strict
+    assert rules.is_strict() == (env == "1")
 
 
 def test_loop_ops_are_replicated_without_warning(monkeypatch):

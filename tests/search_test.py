@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 from jax.sharding import NamedSharding, PartitionSpec
 
 import tapas_jax as tapas
@@ -83,7 +84,8 @@ def test_sharded_step_computes_the_same_numbers(name, overrides):
   # Gradients, not Adam-updated parameters: Adam's first step is g/|g| and flips
   # sign on rounding noise where g is ~0.
   loss_fn = m.loss_fn()
-  grad = lambda p, ms, b: jax.grad(lambda q: loss_fn(q, ms, b)[0])(p)
+  def grad(p, ms, b):
+    return jax.grad(lambda q: loss_fn(q, ms, b)[0])(p)
   sharded_g = jax.jit(grad, in_shardings=(shardings[0].params, shardings[0].model_state,
                                           shardings[1]))(
       placed[0].params, placed[0].model_state, placed[1])
@@ -328,7 +330,6 @@ def test_explicit_mesh_is_rejected():
 
 
 def test_unknown_primitive_is_replicated_with_one_warning():
-  from jax.extend.core import Primitive
   mystery = Primitive("tapas_search_mystery")
   mystery.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   mystery.def_impl(lambda x: x)
@@ -341,3 +342,51 @@ def test_unknown_primitive_is_replicated_with_one_warning():
                         jax.ShapeDtypeStruct((4096, 256), jnp.float32),
                         mesh={"data": 8}, device="cpu")
   assert plan.stats.predicted_step_s > 0
+
+
+def _batch_specs(plan, arg):
+  return [spec[0] if len(spec) else None
+          for spec in jax.tree.leaves(plan.in_specs[arg], is_leaf=is_spec)]
+
+
+@pytest.mark.parametrize("mesh,axis", [({"dp": 2, "tp": 4}, "dp"),
+                                       ({"replica": 2, "model": 4}, "replica"),
+                                       ({"rows": 2, "expert": 4}, "rows")])
+def test_batch_axes_default_by_axis_role_whatever_the_names(mesh, axis):
+  # A big enough batch that data parallelism wins on the axis that may carry it.
+  m = models.get_model("gpt", "tiny")
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(512)
+  plan = tapas.search(step, state, batch, mesh=mesh, device="cpu")
+  assert set(_batch_specs(plan, 1)) == {axis}
+  names = dict(zip(mesh, (0, 1)))
+  assert tapas.solver.default_batch_axes(costlib.mesh_spec(mesh, "cpu")) == \
+      tuple(a for a in mesh if names[a] == 0)
+
+
+def test_batch_found_by_dataflow_not_by_position():
+  """An RNG key or a learning rate after the batch does not move the batch."""
+  m = models.get_model("gpt", "tiny")
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(512)
+
+  def step_with_extras(state, batch, key, lr):
+    new_state, metrics = step(state, batch)
+    noise = jax.random.normal(key, ()) * 0.0
+    return new_state, {**metrics, "loss": metrics["loss"] + noise * lr}
+
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  lr = jax.ShapeDtypeStruct((), jnp.float32)
+  mesh = {"data": 2, "model": 4}
+  plain = tapas.search(step, state, batch, mesh=mesh, device="cpu")
+  extra = tapas.search(step_with_extras, state, batch, key, lr, mesh=mesh, device="cpu")
+  assert set(_batch_specs(plain, 1)) == {"data"}
+  assert extra.in_specs[:2] == plain.in_specs[:2]
+  assert extra.stats.predicted_step_s == pytest.approx(plain.stats.predicted_step_s,
+                                                       rel=1e-6)
+
+
+def test_unsplittable_batch_warns_naming_batch_axes():
+  _, step, state, batch = zoo("gpt")
+  with pytest.warns(UserWarning, match=r"batch_axes=\('tp',\)"):
+    tapas.search(step, state, batch, mesh={"tp": 8}, device="cpu")
+  with pytest.warns(UserWarning, match=r"size 8\) cannot be split over any mesh axis"):
+    tapas.search(step, state, batch, mesh={"data": 16}, device="cpu")  # 16 does not divide 8

@@ -6,8 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 
+import tapas_jax as tapas
 from tapas_jax import models
+from tapas_jax import trace as trace_module
 from tapas_jax.trace import Graph, TraceError, trace
 
 F32 = jnp.float32
@@ -62,7 +65,8 @@ def test_name_stacks_prefix_parent_scope_inside_inlined_calls():
 
 
 def test_call_like_primitives_are_inlined():
-  body = lambda x: jnp.sin(x) * 2.0
+  def body(x):
+    return jnp.sin(x) * 2.0
 
   @jax.custom_vjp
   def cvjp(x):
@@ -108,7 +112,8 @@ def test_loop_bodies_with_different_ops_get_different_signatures():
     return lambda x: jax.lax.scan(lambda c, _: (act(c), None), x, None, length=3)[0]
 
   a, b = trace(f(jnp.tanh), sds(4)), trace(f(jnp.sin), sds(4))
-  sig = lambda g: next(op.signature for op in g.ops if op.primitive == "scan")
+  def sig(g):
+    return next(op.signature for op in g.ops if op.primitive == "scan")
   assert sig(a) != sig(b)
   assert sig(a) == sig(trace(f(jnp.tanh), sds(4)))
 
@@ -119,13 +124,15 @@ def test_loop_bodies_with_different_ops_get_different_signatures():
     (lambda: (sds(4, 8, dtype=jnp.bfloat16), sds(2, 4, dtype=jnp.bfloat16)), False),  # dtype
 ])
 def test_signature_sees_shapes_and_dtypes(change, same):
-  f = lambda w, x: x @ w
+  def f(w, x):
+    return x @ w
   base = trace(f, sds(4, 8), sds(2, 4)).ops[0].signature
   assert (trace(f, *change()).ops[0].signature == base) is same
 
 
 def test_signature_blind_to_values_and_sensitive_to_precision():
-  f = lambda w, x: x @ w
+  def f(w, x):
+    return x @ w
   zeros = trace(f, jnp.zeros((4, 8)), jnp.zeros((2, 4)))
   ones = trace(f, np.ones((4, 8), np.float32), np.ones((2, 4), np.float32))
   assert zeros.ops[0].signature == ones.ops[0].signature
@@ -142,7 +149,6 @@ def test_big_shapes_trace_without_allocating():
 
 
 def test_unknown_primitive_is_kept_as_an_opaque_op():
-  from jax.extend.core import Primitive
   mystery = Primitive("tapas_test_mystery")
   mystery.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   g = trace(lambda x: jnp.sin(mystery.bind(x)), sds(3))
@@ -171,3 +177,41 @@ def test_trace_failure_is_reported_with_arguments():
 def test_summary_mentions_loops():
   text = gpt_train_graph(num_layers=3, scan=True).summary()
   assert "loop scan.jaxpr x3" in text
+
+
+def test_fingerprint_is_the_same_with_and_without_a_mesh_context():
+  # Under jax.set_mesh, jit equations gain ctx_mesh and broadcast_in_dim, reshape,
+  # dot_general, reduce_sum ... gain sharding=NamedSharding(AbstractMesh, P(None, ...)).
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
+  plain = trace(*args)
+  with jax.set_mesh(tapas.make_mesh({"data": 2, "model": 4})):
+    under = trace(*args)
+  raw = [op.raw_params.get("sharding") for op in under.ops]
+  assert any(isinstance(s, jax.sharding.NamedSharding) for s in raw), \
+      "this jax no longer records shardings under a mesh: the test checks nothing"
+  assert [op.signature for op in under.ops] == [op.signature for op in plain.ops]
+  assert under.regions[0].fingerprint == plain.regions[0].fingerprint
+
+
+@pytest.mark.parametrize("sharding,canon", [
+    (None, "None"),
+    (jax.sharding.PartitionSpec(None, None), "None"),
+    (jax.sharding.PartitionSpec("data", None), "P('data',None)"),
+    (jax.sharding.PartitionSpec(("data", "model")), "P(('data','model'),)"),
+])
+def test_shardings_in_params_canonicalize_to_their_axes(sharding, canon):
+  assert trace_module._canon(sharding) == canon
+  if isinstance(sharding, jax.sharding.PartitionSpec):
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    assert trace_module._canon(jax.sharding.NamedSharding(mesh, sharding)) == canon
+
+
+def test_keyword_arguments_trace_after_the_positional_ones_in_name_order():
+  def f(w, *, x, b):
+    return jnp.tanh(x @ w + b["bias"])
+  g = trace(f, sds(4, 8), kwargs={"x": sds(2, 4), "b": {"bias": sds(8)}})
+  assert [(i.path, i.arg) for i in g.inputs] == [("arg0", 0), ("b/bias", 1), ("x", 2)]
+  assert g.num_args == 3
+  same = trace(lambda w, b, x: f(w, x=x, b=b), sds(4, 8), {"bias": sds(8)}, sds(2, 4))
+  assert same.regions[0].fingerprint == g.regions[0].fingerprint

@@ -44,8 +44,9 @@ class Attention(nnx.Module):
     cfg = config
     head_dim = cfg.d_model // cfg.num_heads
     dtype = jnp.dtype(cfg.dtype)
-    dense = lambda: nnx.LinearGeneral(cfg.d_model, (cfg.num_heads, head_dim), dtype=dtype,
-                                      param_dtype=dtype, rngs=rngs)
+    def dense():
+      return nnx.LinearGeneral(cfg.d_model, (cfg.num_heads, head_dim), dtype=dtype,
+                               param_dtype=dtype, rngs=rngs)
     self.head_dim = head_dim
     self.query, self.key, self.value = dense(), dense(), dense()
     self.out = nnx.LinearGeneral((cfg.num_heads, head_dim), cfg.d_model, axis=(-2, -1),
@@ -79,7 +80,8 @@ class Block(nnx.Module):
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
-    ln = lambda: nnx.LayerNorm(config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    def ln():
+      return nnx.LayerNorm(config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.ln1 = ln()
     self.Attention = Attention(config, rngs=rngs)
     self.ln2 = ln()

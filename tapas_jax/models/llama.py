@@ -125,8 +125,9 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                                            param_dtype=cfg.dtype, name=name)
+    def dense(features, name):
+      return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
+                      param_dtype=cfg.dtype, name=name)
     batch, length, _ = x.shape
     q = dense(cfg.num_heads * cfg.head_dim, "q_proj")(x)
     k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x)
@@ -146,8 +147,9 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                                            param_dtype=cfg.dtype, name=name)
+    def dense(features, name):
+      return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
+                      param_dtype=cfg.dtype, name=name)
     h = nn.silu(dense(cfg.d_ff, "gate_proj")(x)) * dense(cfg.d_ff, "up_proj")(x)
     return dense(cfg.d_model, "down_proj")(h)
 
@@ -158,8 +160,9 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, _=None):
     cfg = self.config
-    norm = lambda name: nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype,
-                                   param_dtype=cfg.dtype, name=name)
+    def norm(name):
+      return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype,
+                        param_dtype=cfg.dtype, name=name)
     x = x + Attention(cfg, name="Attention")(norm("attention_norm")(x))
     x = x + MLP(cfg, name="MLP")(norm("mlp_norm")(x))
     return x, None

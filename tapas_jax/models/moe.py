@@ -164,7 +164,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    ln = lambda name: nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
+    def ln(name):
+      return nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
     x = x + gpt.Attention(cfg, name="Attention")(ln("ln1")(x))
     if self.use_moe:
       x = x + MoE(cfg, name="MoE")(ln("ln2")(x))

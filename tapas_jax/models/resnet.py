@@ -59,12 +59,14 @@ class Bottleneck(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    conv = lambda features, kernel, name, strides=1: nn.Conv(
-        features, (kernel, kernel), (strides, strides), padding="SAME", use_bias=False,
-        dtype=self.dtype, param_dtype=self.dtype, name=name)
-    norm = lambda name, scale_init=nn.initializers.ones: nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype,
-        param_dtype=self.dtype, scale_init=scale_init, name=name)
+    def conv(features, kernel, name, strides=1):
+      return nn.Conv(
+          features, (kernel, kernel), (strides, strides), padding="SAME", use_bias=False,
+          dtype=self.dtype, param_dtype=self.dtype, name=name)
+    def norm(name, scale_init=nn.initializers.ones):
+      return nn.BatchNorm(
+          use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype,
+          param_dtype=self.dtype, scale_init=scale_init, name=name)
     y = nn.relu(norm("bn1")(conv(self.filters, 1, "conv1")(x)))
     y = nn.relu(norm("bn2")(conv(self.filters, 3, "conv2", self.strides)(y)))
     # Zero-init the last scale so each block starts as the identity.

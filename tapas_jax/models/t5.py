@@ -144,9 +144,11 @@ class Attention(nn.Module):
     inner = cfg.num_heads * cfg.d_kv
     # T5 does not scale logits by 1/sqrt(d_kv); the query init carries it instead.
     query_init = nn.initializers.variance_scaling(1.0 / cfg.d_kv, "fan_in", "truncated_normal")
-    dense = lambda name, **kw: nn.Dense(inner, use_bias=False, dtype=cfg.dtype,
-                                        param_dtype=cfg.dtype, name=name, **kw)
-    heads = lambda y: y.reshape(y.shape[:-1] + (cfg.num_heads, cfg.d_kv))
+    def dense(name, **kw):
+      return nn.Dense(inner, use_bias=False, dtype=cfg.dtype,
+                      param_dtype=cfg.dtype, name=name, **kw)
+    def heads(y):
+      return y.reshape(y.shape[:-1] + (cfg.num_heads, cfg.d_kv))
     q = heads(dense("query", kernel_init=query_init)(x))
     k = heads(dense("key")(memory))
     v = heads(dense("value")(memory))

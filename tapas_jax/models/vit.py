@@ -68,8 +68,9 @@ class Attention(nn.Module):
   def __call__(self, x):
     cfg = self.config
     head_dim = cfg.d_model // cfg.num_heads
-    dense = lambda name: nn.DenseGeneral((cfg.num_heads, head_dim), dtype=cfg.dtype,
-                                         param_dtype=cfg.dtype, name=name)
+    def dense(name):
+      return nn.DenseGeneral((cfg.num_heads, head_dim), dtype=cfg.dtype,
+                             param_dtype=cfg.dtype, name=name)
     q, k, v = dense("query")(x), dense("key")(x), dense("value")(x)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(cfg.dtype)
     weights = jax.nn.softmax(scores, axis=-1)
@@ -95,7 +96,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, _=None):
     cfg = self.config
-    ln = lambda name: nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
+    def ln(name):
+      return nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
     x = x + Attention(cfg, name="Attention")(ln("ln1")(x))
     x = x + MLP(cfg, name="MLP")(ln("ln2")(x))
     return x, None

@@ -17,12 +17,13 @@ Modules, in the order data flows through them:
 """
 
 from tapas_jax.solver.budget import BudgetResult, InfeasibleBudgetError
-from tapas_jax.solver.problem import (DEFAULT_BATCH_AXIS_NAMES, DimClass, Problem,
-                                      build_problem, default_batch_axes)
+from tapas_jax.solver.problem import (MODEL_AXIS_NAMES, DimClass, Problem,
+                                      build_problem, default_batch_axes,
+                                      warn_batch_unsplit)
 from tapas_jax.solver.solve import SOLVERS, Solution, evaluate, solve, warn_unsplittable
 from tapas_jax.solver.views import View, folded_view, unfolded_view
 
-__all__ = ["DEFAULT_BATCH_AXIS_NAMES", "SOLVERS", "BudgetResult", "DimClass",
+__all__ = ["MODEL_AXIS_NAMES", "SOLVERS", "BudgetResult", "DimClass",
            "InfeasibleBudgetError", "Problem", "Solution", "View", "build_problem",
            "default_batch_axes", "evaluate", "folded_view", "solve", "unfolded_view",
-           "warn_unsplittable"]
+           "warn_batch_unsplit", "warn_unsplittable"]

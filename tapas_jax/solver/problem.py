@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import warnings
 from typing import Mapping, Sequence
 
 from tapas_jax import cost as costlib
@@ -40,10 +41,16 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan_bodies
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["DEFAULT_BATCH_AXIS_NAMES", "DimClass", "Problem", "build_problem",
-           "default_batch_axes", "update_ops"]
+__all__ = ["MODEL_AXIS_NAMES", "DimClass", "Problem", "batch_inputs", "build_problem",
+           "default_batch_axes", "update_ops", "warn_batch_unsplit"]
 
-DEFAULT_BATCH_AXIS_NAMES = ("data", "batch", "fsdp", "replica")
+# Mesh axis names that say an axis carries the model, not the batch: tensor, expert,
+# sequence and pipeline parallelism (MaxText, Megatron, praxis and t5x spellings). Every
+# other axis (data, dp, fsdp, batch, replica, or a name not known here) may split the
+# batch: naming an axis "model" is how a user says "not the batch".
+MODEL_AXIS_NAMES = frozenset({
+    "model", "mp", "tp", "tensor", "tensor_parallel", "expert", "experts", "ep",
+    "seq", "sequence", "sp", "context", "cp", "pipe", "pipeline", "pp", "stage"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,7 @@ class DimClass:
     index: class id.
     size: the largest split any member allows: the gcd of its members' sizes (a
       reshape's merged dim (H*D) joins the class of its major part (H)).
-    batch: holds dim 0 of a batch argument.
+    batch: holds dim 0 of a data input (see `batch_inputs`).
     splittable: False when one op or tensor holds it twice.
     example: a readable member, e.g. "params/Block_0/MLP/fc1/kernel[1]".
   """
@@ -79,7 +86,8 @@ class Problem:
     value_class: (value id, dim) -> class id, for every top-level value dim.
     rules: op index -> its sharding rule (top-level ops).
     state_pairs: (output value, input value, count) of state carried to the next step.
-    batch_args: positional arguments whose leaves' dim 0 is the batch.
+    batch_inputs: input values whose dim 0 is a batch class.
+    batch_axes: the mesh axes batch classes may take.
     view: the ops searched and what they stand for.
     factor_class: op index -> class of each factor of its rule (-1: on no value dim).
     reader_dims: (value, read by the update?) -> class per dim, for values the state
@@ -95,7 +103,8 @@ class Problem:
   value_class: Mapping[tuple[int, int], int]
   rules: Mapping[int, ruleslib.OpRule]
   state_pairs: tuple[tuple[int, int, int], ...]
-  batch_args: tuple[int, ...]
+  batch_inputs: frozenset[int]
+  batch_axes: tuple[str, ...]
   view: View
   factor_class: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
   reader_dims: Mapping[tuple[int, bool], tuple[int, ...]] = dataclasses.field(
@@ -155,7 +164,48 @@ class _UnionFind:
 
 
 def default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
-  return tuple(a for a in mesh.axis_names if a in DEFAULT_BATCH_AXIS_NAMES)
+  """The mesh axes that may split the batch unless the user says otherwise: every axis
+  whose name does not say it carries the model (`MODEL_AXIS_NAMES`)."""
+  return tuple(a for a in mesh.axis_names if a.lower() not in MODEL_AXIS_NAMES)
+
+
+def warn_batch_unsplit(problem: Problem) -> None:
+  """One warning when the program has a batch but no allowed mesh axis can split it."""
+  batch = [c for c in problem.classes if c.batch and c.size > 1]
+  if not batch or any(len(problem.domains[c.index]) > 1 for c in batch):
+    return
+  widest = max(batch, key=lambda c: c.size)
+  axes = [a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1]
+  warnings.warn(
+      f"search: the batch ({widest.example}, size {widest.size}) cannot be split over any "
+      f"mesh axis allowed to carry it (batch_axes={problem.batch_axes!r}, mesh "
+      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}); every device will "
+      f"compute the whole batch. Pass batch_axes= naming the axes that may split it (e.g. "
+      f"batch_axes={tuple(axes)!r}), or use a batch size those axes divide.", stacklevel=3)
+
+
+def batch_inputs(graph: Graph, input_classes: Mapping[int, Sequence[int]]) -> frozenset[int]:
+  """The inputs whose dim 0 is the batch, found by dataflow rather than by position.
+
+  A train step returns its state for the next step (`Graph.carried`): parameters,
+  optimizer state, step counters. Every other input with a dim is data (tokens,
+  labels, masks, an RNG key's raw bits); its dim 0 is a batch dimension unless a state
+  input holds the same class (a positional table indexed by it, say). A program that
+  carries no state (a bare loss or forward pass) has no such split: there the last
+  positional argument is taken as the data.
+
+  Args:
+    input_classes: input value -> the class of each of its dims as stored, then any
+      other classes it is read in (a parameter used in another layout than stored).
+  """
+  state = {graph.inputs[j].value for _, j in graph.carried}
+  if not state:
+    last = graph.num_args - 1
+    return frozenset(i.value for i in graph.inputs if graph.num_args > 1 and i.arg == last
+                     and graph.types[i.value].shape)
+  held = {c for v in state for c in input_classes[v]}
+  return frozenset(i.value for i in graph.inputs if i.value not in state
+                   and graph.types[i.value].shape and input_classes[i.value][0] not in held)
 
 
 def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int, int], ...]:
@@ -217,8 +267,7 @@ def update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.OpR
 
 
 def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
-                  batch_axes: Sequence[str] | None,
-                  batch_args: Sequence[int] | None = None, view: View | None = None) -> Problem:
+                  batch_axes: Sequence[str] | None, view: View | None = None) -> Problem:
   """Dimension classes, their domains and the op rules of a traced program.
 
   Args:
@@ -278,7 +327,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
     rule = rules[op.index]
     fnodes = [uf.add() for _ in rule.factor_sizes]
     op_factor_nodes[op.index] = fnodes
-    for k, (v, fs) in enumerate(zip(op.inputs, rule.inputs)):
+    for v, fs in zip(op.inputs, rule.inputs):
       if v in graph.literals:
         continue
       for d, f in enumerate(fs):
@@ -320,15 +369,19 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
         if c is not None and c not in example:
           example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
   conflicted = {index[uf.find(n)] for n in pinned}
-  for i, cs in factor_class.items():
+  for cs in factor_class.values():
     conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
   for dims in _value_dims(graph, value_class, side_class):
     conflicted.update(c for c in dims if dims.count(c) > 1)
 
-  if batch_args is None:
-    batch_args = (graph.num_args - 1,) if graph.num_args > 1 else ()
-  batch_classes = {value_class[(cv(i.value), 0)] for i in graph.inputs
-                   if i.arg in batch_args and graph.types[i.value].shape}
+  read_as: dict[int, list[int]] = {}  # classes a value is read in, besides its own
+  for (v, _, _), c in side_class.items():
+    read_as.setdefault(v, []).append(c)
+  input_classes = {i.value: [value_class[(cv(i.value), d)]
+                             for d in range(len(graph.types[i.value].shape))]
+                   + read_as.get(cv(i.value), []) for i in graph.inputs}
+  data = batch_inputs(graph, input_classes)
+  batch_classes = {value_class[(cv(v), 0)] for v in data}
   allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
   for a in allowed_batch:
     if a not in mesh.axis_names:
@@ -352,7 +405,8 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   reader_dims = {key: tuple(dims[d] for d in range(len(dims))) for key, dims in reads.items()}
   return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
                  domains=tuple(domains), value_class=value_class, rules=rules,
-                 state_pairs=_state_pairs(graph, canon), batch_args=tuple(batch_args),
+                 state_pairs=_state_pairs(graph, canon), batch_inputs=data,
+                 batch_axes=allowed_batch,
                  view=view, factor_class=factor_class, reader_dims=reader_dims,
                  update_ops=update)
 

@@ -77,11 +77,7 @@ class TableBuilder:
     v = p.cv(v)
     if v in self.producer:
       op = g.ops[self.producer[v]]
-      rule = p.rules[op.index]
-      slot = op.outputs.index(v)
-      dims = tuple(None if f is None else p.value_class[(v, d)]
-                   for d, f in enumerate(rule.outputs[slot]))
-      return dims, self.partial_expr(v)
+      return self.result_classes(op, op.outputs.index(v)), self.partial_expr(v)
     rank = len(g.types[v].shape)
     return tuple(p.value_class.get((v, d)) for d in range(rank)), None
 
@@ -108,6 +104,50 @@ class TableBuilder:
     """Class of each factor of op (-1: no value dim carries it; never split)."""
     return list(self.p.factor_class[op.index])
 
+  def operand_classes(self, op: Op, k: int) -> tuple[int | None, ...]:
+    """Per dim of operand k, the class it must arrive split by (None: whole)."""
+    fclass = self.factor_classes(op)
+    return tuple(None if f is None else fclass[f] for f in self.p.rules[op.index].inputs[k])
+
+  def result_classes(self, op: Op, slot: int) -> tuple[int | None, ...]:
+    """Per dim of result `slot`, the class it leaves split by (None: whole)."""
+    v = self.p.cv(op.outputs[slot])
+    return tuple(None if f is None else self.p.value_class[(v, d)]
+                 for d, f in enumerate(self.p.rules[op.index].outputs[slot]))
+
+  def op_layouts(self, op: Op, choice: Mapping[int, tuple[str, ...]]
+                 ) -> tuple[tuple[costlib.Layout, ...], tuple[costlib.Layout, ...]] | None:
+    """(operand layouts, result layouts) of op under a class choice, as its cost table
+    prices them: operands as the op needs them, results as it makes them, partial
+    over the axes of its split reduce classes. None where the table holds inf: the
+    choice splits the op twice over one mesh axis.
+
+    Built from the pieces the tables use (`operand_classes`, `result_classes`,
+    `partial_expr`, `mesh_dims`), so tests can run an op in exactly these layouts.
+    """
+    def axes_of(c):
+      ok = c is not None and c >= 0 and self.p.classes[c].splittable
+      return tuple(choice.get(c, ())) if ok else ()
+
+    split = sorted({c for c in self.factor_classes(op) if axes_of(c)})
+    if _clash([axes_of(c) for c in split]):
+      return None
+
+    def dims(classes):
+      return mesh_dims(range(len(classes)), [axes_of(c) for c in classes])
+
+    ins = []
+    for k, v in enumerate(op.inputs):
+      rank = len(self.p.graph.types[v].shape)
+      ins.append(costlib.Layout(dims(self.operand_classes(op, k)) if rank else ()))
+    outs = []
+    for slot, v in enumerate(op.outputs):
+      out = dims(self.result_classes(op, slot))
+      expr = self.partial_expr(v)
+      part = () if expr is None else tuple(sorted({a for c in expr[1] for a in axes_of(c)}))
+      outs.append(costlib.Layout(out, partial=_arriving_partial(out, part)))
+    return tuple(ins), tuple(outs)
+
   def op_tables(self, op: Op) -> list[Table | None]:
     """The op's cost as tables. An op with no factors (replicated: an unknown
     primitive, a loop kept whole) couples nothing, so each input edge gets a table of
@@ -130,7 +170,7 @@ class TableBuilder:
       src_dims = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
       if src_dims is None:
         src_dims = self.fixed.get(v, self._src(v)[0])
-      dst_dims = tuple(None if f is None else fclass[f] for f in rule.inputs[k])
+      dst_dims = self.operand_classes(op, k)
       edges.append((g.types[v], src_dims, None, dst_dims))
     flops = rule.flops if only in (None, 0) else 0.0
     return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
@@ -211,11 +251,10 @@ class TableBuilder:
     split = sorted({q for q in fpos if q is not None})
     for idx in itertools.product(*(range(n) for n in shape)):
       axes = tuple(domains[k][i] for k, i in enumerate(idx))
-      used = [a for k in split for a in axes[k]]
-      if len(used) != len(set(used)):
+      if _clash([axes[k] for k in split]):
         t[idx] = np.inf  # one op split twice over one mesh axis
         continue
-      shards = math.prod(p.mesh.size(a) for a in used)
+      shards = math.prod(p.mesh.size(a) for k in split for a in axes[k])
       total = costlib.compute_time(flops / shards, p.profile, dtype) if flops else 0.0
       sent = 0.0
       for ttype, src, partial, dst in epos:
@@ -238,15 +277,27 @@ def _edge_cost(shape, itemsize, src_dims, part, dst_dims, mesh, profile):
 
   `part`: axes the value is partial over as it arrives; they are reduced on the way.
   """
-  src_axes = {a for d in src_dims for a in d}
-  part = tuple(a for a in part if a not in src_axes)
   try:
-    src_l = costlib.Layout(src_dims, partial=part)
+    src_l = costlib.Layout(src_dims, partial=_arriving_partial(src_dims, part))
     dst_l = costlib.Layout(dst_dims)
     steps = costlib.reshard(shape, itemsize, src_l, dst_l, mesh, profile)
   except ValueError:
     return None
   return sum(c.time_s for c in steps), sum(c.bytes_sent_per_device for c in steps)
+
+
+def _clash(axes: Iterable[tuple[str, ...]]) -> bool:
+  """Whether one mesh axis appears twice among these factors' axes."""
+  used = [a for entry in axes for a in entry]
+  return len(used) != len(set(used))
+
+
+def _arriving_partial(dims: Sequence[tuple[str, ...]], part: Sequence[str]
+                      ) -> tuple[str, ...]:
+  """The partial axes a value in these dims can hold: a mesh axis marks a dim split or
+  partial sums, never both (the producer's own table prices that choice as inf)."""
+  split = {a for d in dims for a in d}
+  return tuple(a for a in part if a not in split)
 
 
 def _eval_partial(expr, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...]:

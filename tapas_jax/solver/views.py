@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
@@ -80,8 +81,9 @@ def scan_bindings(graph: Graph, op: Op):
         yield outer, inner, 0
       elif shape == (region.trip_count,) + body:
         yield outer, inner, 1
-  consts, carry = op.raw_params.get("num_consts"), op.raw_params.get("num_carry")
-  if consts is not None and carry is not None:
+  counts = jx.scan_counts(op.raw_params)
+  if counts is not None:
+    consts, carry = counts.num_consts, counts.num_carry
     for inner_in, inner_out in zip(region.inputs[consts:consts + carry],
                                    region.outputs[:carry]):
       if inner_out not in graph.literals:

@@ -1,0 +1,223 @@
+"""The options of `search`, `apply`, `place`, `make_mesh` and the baselines, checked
+before anything is traced, each with a message that names the fix.
+
+One parser per option, shared by every entry point, so a mesh or a budget means the
+same thing everywhere and a typo fails in a second rather than deep inside a search.
+
+Memory sizes: a number of bytes, or a string with a unit. Decimal units count in
+powers of 1000 (kB/KB, MB, GB, TB, PB), binary ones in powers of 1024 (KiB, MiB,
+GiB, TiB, PiB): "16GB" is 16e9 bytes, "16GiB" is 16 * 2**30 (device specs usually
+quote HBM in GiB: an H100 has 80 GiB).
+
+Example:
+  >>> from tapas_jax import options
+  >>> options.memory_bytes("16GiB"), options.memory_bytes("1.5 TB")
+  (17179869184.0, 1500000000000.0)
+  >>> options.batch_axes("data", {"data": 2, "model": 4})
+  ('data',)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any, Mapping, Sequence
+
+__all__ = ["MeshError", "OptionError", "batch_axes", "device", "donate_argnums", "flag", "kwargs",
+           "memory_bytes", "mesh_axes", "solver", "time_limit"]
+
+# A caller that leaves `batch_axes` alone gets the axes with conventional batch names.
+DEFAULT = "default"
+
+_UNITS = {"": 1, "b": 1,
+          "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "p": 1e15, "pb": 1e15,
+          "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30, "tib": 2.0**40, "pib": 2.0**50}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+class OptionError(ValueError):
+  """An option of a tapas_jax entry point has a value it cannot use."""
+
+
+class MeshError(OptionError):
+  """A mesh the planner cannot use."""
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def mesh_axes(mesh: Any, where: str = "search") -> dict[str, int]:
+  """Axis name -> size of a dict, a `jax.sharding.Mesh` or an `AbstractMesh`.
+
+  Dicts must map non-empty strings to positive ints (not bools, not floats: 2.5 or
+  True would plan for another mesh than meant); meshes must have Auto axes.
+
+  Raises:
+    MeshError: what is wrong, naming the axis; or the mesh has Explicit axes.
+
+  Example:
+    >>> mesh_axes({"data": 2, "model": 4})
+    {'data': 2, 'model': 4}
+  """
+  if isinstance(mesh, Mapping):
+    items = list(mesh.items())
+  elif hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
+    from tapas_jax.mesh import check_auto  # noqa: PLC0415 - mesh.py imports this module
+    if hasattr(mesh, "axis_types"):
+      check_auto(mesh)
+    items = list(dict(mesh.shape).items())
+  else:
+    raise MeshError(
+        f"{where}: mesh={mesh!r:.80} is a {type(mesh).__name__}; pass a dict of axis "
+        "sizes like {'data': 2, 'model': 4}, or a mesh from tapas.make_mesh(...).")
+  if not items:
+    raise MeshError(f"{where}: mesh has no axes; give at least one, e.g. {{'data': 8}}")
+  out: dict[str, int] = {}
+  for name, size in items:
+    if not isinstance(name, str) or not name:
+      raise MeshError(f"{where}: mesh axis name {name!r} is a {type(name).__name__}; "
+                        "axis names are non-empty strings, e.g. {'data': 8}.")
+    if not _is_int(size) or size < 1:
+      hint = f" (did you mean {int(size)}?)" if _is_number(size) and size >= 1 else ""
+      raise MeshError(f"{where}: mesh axis {name!r} has size {size!r} "
+                        f"({type(size).__name__}); sizes are positive ints{hint}.")
+    out[name] = int(size)
+  return out
+
+
+def device(name: Any, where: str = "search") -> str | None:
+  """A known device profile name, or None for the local platform's.
+
+  Example:
+    >>> device("h100")
+    'h100'
+  """
+  from tapas_jax.cost import PROFILES  # noqa: PLC0415
+  if name is None or (isinstance(name, str) and name in PROFILES):
+    return name
+  if hasattr(name, "peak_flops") and hasattr(name, "name"):
+    return name  # a DeviceProfile object: passes through
+  raise OptionError(f"{where}: device={name!r} is not a known device profile; use one "
+                    f"of: {', '.join(sorted(PROFILES))} (or None for the local platform).")
+
+
+def memory_bytes(value: Any, where: str = "search", name: str = "memory_budget"
+                 ) -> float | None:
+  """Bytes from a number or a string like "16GiB", "16GB", "1.5 TiB", "512MiB".
+
+  GB, MB, ... count in powers of 1000; GiB, MiB, ... in powers of 1024. None stays None.
+
+  Example:
+    >>> memory_bytes("512MiB"), memory_bytes(1e9), memory_bytes(None)
+    (536870912.0, 1000000000.0, None)
+  """
+  if value is None:
+    return None
+  if isinstance(value, str):
+    m = _SIZE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+      raise OptionError(
+          f"{where}: {name}={value!r} is not a memory size; write bytes as a number or a "
+          "string with a unit: '16GiB' (2**30 bytes each), '16GB' (1e9 bytes each), "
+          "'512MiB', '1.5 TiB'.")
+    value_bytes = float(m.group(1)) * _UNITS[unit]
+  elif _is_number(value):
+    value_bytes = float(value)
+  else:
+    raise OptionError(f"{where}: {name}={value!r} is a {type(value).__name__}; give bytes "
+                      "as a number, or a string like '16GiB', or None for no limit.")
+  if not math.isfinite(value_bytes) or value_bytes <= 0:
+    raise OptionError(f"{where}: {name}={value!r} must be a positive number of bytes "
+                      "(or None for no limit).")
+  return value_bytes
+
+
+def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
+               ) -> tuple[str, ...] | None | str:
+  """One axis name, a sequence of them (each a mesh axis), None (any axis), or
+  `DEFAULT` (every axis whose name does not say it carries the model).
+
+  A single string is one axis, never read letter by letter.
+  """
+  if value is None:
+    return None
+  if isinstance(value, str):
+    if value == DEFAULT and value not in axes:
+      return DEFAULT
+    names: Sequence[Any] = (value,)
+  elif isinstance(value, (Sequence, set, frozenset)) and not isinstance(value, bytes):
+    names = tuple(value)
+  else:
+    raise OptionError(f"{where}: batch_axes={value!r} is a {type(value).__name__}; give "
+                      "one mesh axis name ('data'), a sequence of them (('data', 'fsdp')) "
+                      "or None for any axis.")
+  for a in names:
+    if not isinstance(a, str) or a not in axes:
+      raise OptionError(f"{where}: batch_axes names {a!r}, which is not an axis of the "
+                        f"mesh {dict(axes)}; use some of {list(axes)}.")
+  if len(set(names)) != len(names):
+    raise OptionError(f"{where}: batch_axes={value!r} names an axis twice.")
+  return tuple(names)
+
+
+def flag(value: Any, name: str, where: str = "search") -> bool:
+  """A bool (numpy bools too); 0, 1, "yes" and None are refused rather than guessed."""
+  if isinstance(value, bool) or type(value).__name__ == "bool_":
+    return bool(value)
+  raise OptionError(f"{where}: {name}={value!r} is a {type(value).__name__}; use True or "
+                    "False.")
+
+
+def solver(value: Any, where: str = "search") -> str | None:
+  """None (the view's default) or one of `tapas_jax.solver.SOLVERS`."""
+  from tapas_jax.solver import SOLVERS  # noqa: PLC0415
+  if value is None or value in SOLVERS:
+    return value
+  raise OptionError(f"{where}: solver={value!r} is not a solver; use one of "
+                    f"{', '.join(map(repr, SOLVERS))} or None for the default.")
+
+
+def time_limit(value: Any, where: str = "search") -> float | None:
+  """None (no limit) or a positive number of seconds."""
+  if value is None:
+    return None
+  if _is_number(value) and math.isfinite(value) and value > 0:
+    return float(value)
+  raise OptionError(f"{where}: time_limit={value!r} must be a positive number of "
+                    "seconds, or None for no limit.")
+
+
+def kwargs(value: Any, where: str = "search") -> dict[str, Any]:
+  """The step's keyword arguments: None or a mapping with string keys."""
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    raise OptionError(f"{where}: kwargs={value!r:.80} is a {type(value).__name__}; pass "
+                      "the step's keyword arguments as a dict, e.g. kwargs={'batch': b}.")
+  bad = [k for k in value if not isinstance(k, str)]
+  if bad:
+    raise OptionError(f"{where}: kwargs keys must be argument names (str); got {bad[0]!r}.")
+  return dict(value)
+
+
+def donate_argnums(value: Any, num_args: int | None = None, where: str = "apply"
+                   ) -> tuple[int, ...]:
+  """An int or a sequence of ints, each a positional argument index."""
+  nums = (value,) if _is_int(value) else value
+  if not isinstance(nums, Sequence) or not all(_is_int(n) for n in nums):
+    raise OptionError(f"{where}: donate_argnums={value!r} must be an int or a sequence of "
+                      "ints (positional argument indices).")
+  if num_args is not None:
+    for n in nums:
+      if not -num_args <= n < num_args:
+        raise OptionError(f"{where}: donate_argnums={value!r} names argument {n}, but the "
+                          f"plan has {num_args} positional argument(s).")
+  return tuple(int(n) for n in nums)

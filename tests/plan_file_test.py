@@ -1,0 +1,182 @@
+"""Plans as files: save -> load gives the plan back, a loaded plan applies and runs
+like the searched one, bad files and mismatched programs or meshes say what differs."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import tapas_jax as tapas
+from tapas_jax import models, plan_file
+
+MESH = {"data": 2, "model": 4}
+W = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+X = jax.ShapeDtypeStruct((4096, 512), jnp.float32)
+
+
+def small(w, x):
+  return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def nested(p, xs):
+  return small(p["w"], xs[0])
+
+
+@functools.lru_cache(maxsize=None)
+def small_plan():
+  return tapas.search(nested, {"w": W, "extra": None}, [X], mesh=MESH, device="h100")
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_plan(family):
+  m = models.get_model(family, "tiny")
+  return m, tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8), mesh=MESH,
+                         device="cpu")
+
+
+def leaves_with_paths(tree):
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, P))[0]
+  return [(tapas.trace.key_path_str(p), s) for p, s in flat]
+
+
+def test_a_plan_of_builtin_containers_comes_back_equal(tmp_path):
+  plan = small_plan()
+  assert any(s != P() for _, s in leaves_with_paths(plan.in_specs)), "nothing split"
+  plan.save(tmp_path / "plan.json")
+  loaded = tapas.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan
+  assert type(loaded.in_specs[0]) is dict and type(loaded.in_specs[1]) is list
+  assert loaded.in_specs[0]["extra"] is None
+  assert json.loads((tmp_path / "plan.json").read_text())["version"] == plan_file.VERSION
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama_nnx"])
+def test_train_state_specs_round_trip_by_key_path(tmp_path, family):
+  m, plan = zoo_plan(family)
+  plan.save(tmp_path / "plan.json")
+  loaded = tapas.Plan.load(tmp_path / "plan.json")
+  assert leaves_with_paths(loaded.in_specs) == leaves_with_paths(plan.in_specs)
+  assert loaded.constraints == plan.constraints and loaded.layers == plan.layers
+  assert loaded.stats == plan.stats and loaded.class_axes == plan.class_axes
+  # The file is a fixed point: what a loaded plan writes is what was read.
+  assert plan_file.to_json(loaded) == plan_file.to_json(plan)
+  # TrainState, optax and nnx nodes come back as stand-ins that bind to the real ones.
+  assert isinstance(loaded.in_specs[0], plan_file.StoredNode)
+  assert loaded.in_specs[0].type_name.endswith("TrainState")
+  lowered = tapas.apply(loaded, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
+  want = tapas.apply(plan, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
+  assert lowered.as_text() == want.as_text()
+
+
+def test_search_save_load_apply_gives_the_unsharded_loss(tmp_path):
+  m, plan = zoo_plan("gpt")
+  plan.save(tmp_path / "plan.json")
+  loaded = tapas.Plan.load(tmp_path / "plan.json")
+  state = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), 8)
+  _, out = tapas.apply(loaded, m.train_step())(*tapas.place(loaded, state, batch))
+  _, ref = jax.jit(m.train_step())(state, batch)
+  np.testing.assert_allclose(out["loss"], ref["loss"], rtol=2e-6)
+
+
+def test_keyword_specs_round_trip(tmp_path):
+  plan = tapas.search(small, W, kwargs={"x": X}, mesh=MESH, device="h100")
+  plan.save(tmp_path / "plan.json")
+  loaded = tapas.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan and loaded.kwargs_specs["x"] == plan.kwargs_specs["x"]
+
+
+def test_saving_is_atomic(tmp_path):
+  path = tmp_path / "plan.json"
+  small_plan().save(path)
+  before = path.read_text()
+  bad = small_plan().__class__(**{**small_plan().__dict__, "in_specs": (P(object()),)})
+  with pytest.raises(plan_file.PlanFileError, match="cannot be written"):
+    bad.save(path)
+  assert path.read_text() == before, "a failed save changed the file"
+  assert os.listdir(tmp_path) == ["plan.json"], "a temporary file was left behind"
+
+
+def _edit(data, edit):
+  data = json.loads(json.dumps(data))
+  edit(data)
+  return data
+
+
+def _set(*path_and_value):
+  *path, value = path_and_value
+
+  def edit(data):
+    for k in path[:-1]:
+      data = data[k]
+    data[path[-1]] = value
+  return edit
+
+
+def _drop(key):
+  return lambda data: data.pop(key)
+
+
+BAD_FILES = [
+    (_set("schema", "other"), r"schema: expected 'tapas_jax.plan', got \"other\""),
+    (_set("version", 99), "version 99 was written by a newer tapas_jax"),
+    (_set("version", "1"), r"version: expected an int >= 1, got \"1\""),
+    (_drop("fingerprint"), "fingerprint: expected a field 'fingerprint', got nothing"),
+    (_set("mesh", [["data", "2"], ["model", 4]]), r"mesh\[0\]\[1\]: expected an int >= 1"),
+    (_set("mesh", [["data", 0], ["model", 4]]), r"mesh\[0\]\[1\]: expected an int >= 1, got 0"),
+    (_set("in_specs", 1, "list", 0, {"P": ["modle"]}),
+     r"in_specs\[1\]/0\.P\[0\]: expected a mesh axis \(data, model\), got \"modle\""),
+    (_set("in_specs", 0, "dict", 0, 1, {"Q": []}), r"in_specs\[0\]/.*: expected a spec tree"),
+    (_set("in_specs", 1, {"list": 3}), r"in_specs\[1\]\.list: expected a list, got 3"),
+    (_set("stats", "predicted_step_s", "fast"), "stats.predicted_step_s: expected a number"),
+    (_set("stats", "num_equations", 2.5), r"stats.num_equations: expected an int >= 0"),
+    (_set("stats", "speed", 1), r"stats: expected only the fields .* also \['speed'\]"),
+    (_set("layers", 0, "instances", 0), r"layers\[0\].instances: expected an int >= 1"),
+    (_set("class_axes", [["w[1]", 512]]), r"class_axes\[0\]: expected \[example, size"),
+    (_set("extra", 1), r"the file: expected only the fields"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_FILES, ids=[m[:30] for _, m in BAD_FILES])
+def test_an_edited_file_names_the_field_that_is_wrong(tmp_path, edit, message):
+  data = plan_file.to_json(small_plan())
+  if "constraints" in message:
+    assert data["constraints"]
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps(_edit(data, edit)))
+  with pytest.raises(plan_file.PlanFileError, match=message):
+    tapas.Plan.load(path)
+
+
+def test_a_truncated_file_says_so(tmp_path):
+  path = tmp_path / "plan.json"
+  small_plan().save(path)
+  text = path.read_text()
+  path.write_text(text[:len(text) // 2])
+  with pytest.raises(plan_file.PlanFileError, match="not valid JSON .*truncated"):
+    tapas.Plan.load(path)
+  with pytest.raises(plan_file.PlanFileError, match="cannot read the plan file"):
+    tapas.Plan.load(tmp_path / "missing.json")
+
+
+def test_a_loaded_plan_on_another_program_or_mesh_says_what_differs(tmp_path):
+  small_plan().save(tmp_path / "plan.json")
+  loaded = tapas.Plan.load(tmp_path / "plan.json")
+  step = tapas.apply(loaded, nested)
+  other_x = [jax.ShapeDtypeStruct((2048, 512), jnp.float32)]
+  with pytest.raises(ValueError, match=r"input '0' is float32\[2048,512\] here, "
+                     r"float32\[4096,512\] in the plan"):
+    step.lower({"w": W, "extra": None}, other_x)
+  with pytest.raises(ValueError, match=r"argument 0 has 1 leaves, the plan 1; leaf 0 is "
+                     r"'v' here and 'w' in the plan"):
+    step.lower({"v": W, "extra": None}, [X])
+  with pytest.raises(ValueError, match="the function or its static options differ"):
+    tapas.apply(loaded, lambda p, xs: jnp.sum(xs[0] @ p["w"])).lower(
+        {"w": W, "extra": None}, [X])
+  with pytest.raises(tapas.MeshError, match="axis 'data' has size 4, the plan's 2"):
+    tapas.apply(loaded, nested, mesh=tapas.make_mesh({"data": 4, "model": 2}))

@@ -1,0 +1,379 @@
+"""solver: elimination and the integer program against brute force, budget fitting,
+`solve` end to end, and golden plans of the zoo's tiny models.
+
+Golden plans live in `tests/golden/*.json`: each input's PartitionSpec by pytree path,
+the split dimension classes and the predicted step time, communication and memory.
+A change to the search that moves a plan fails `test_golden_plan` with a diff. When the
+change is intended, regenerate the files and review the diff in git:
+
+  python tests/solver_test.py --update-golden
+
+(the same as `TAPAS_UPDATE_GOLDEN=1 python -m pytest tests/solver_test.py -k golden`).
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import tapas_jax as tapas
+from tapas_jax import api, models, solver
+from tapas_jax.solver.budget import fit_budget
+from tapas_jax.solver.eliminate import eliminate
+from tapas_jax.solver.ilp import solve_ilp
+from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
+
+# HiGHS stops once its incumbent is within this relative gap of its bound (scipy's
+# default `mip_rel_gap`), so the integer program is optimal to this tolerance.
+MIP_REL_GAP = 1e-4
+
+
+# -- random objectives ---------------------------------------------------------------
+
+
+def random_objective(seed, inf_rate=0.1):
+  """(factors, domain_size): tables over 1-3 of 3-7 classes with domains of 1-4 entries.
+
+  Scopes come in any order and may repeat (elimination merges them); some entries are
+  +inf (an op split twice over one axis); at least one assignment is finite.
+  """
+  rng = np.random.default_rng(seed)
+  while True:
+    n = int(rng.integers(3, 8))
+    domain_size = {c: int(rng.integers(1, 5)) for c in range(n)}
+    factors = []
+    for _ in range(int(rng.integers(n, 2 * n + 2))):
+      k = int(rng.integers(1, 4))
+      scope = tuple(int(c) for c in rng.permutation(n)[:k])
+      table = rng.uniform(0.0, 10.0, [domain_size[c] for c in scope])
+      table[rng.random(table.shape) < inf_rate] = np.inf
+      factors.append((scope, table))
+    if np.isfinite(brute_force(factors, domain_size).min()):
+      return factors, domain_size
+
+
+def brute_force(factors, domain_size):
+  """The objective of every joint assignment: an array with one axis per class."""
+  n = len(domain_size)
+  total = np.zeros([domain_size[c] for c in range(n)])
+  for scope, table in factors:
+    order = np.argsort(scope)
+    aligned = np.transpose(table, order)
+    shape = [domain_size[c] if c in scope else 1 for c in range(n)]
+    total = total + aligned.reshape(shape)
+  return total
+
+
+def value(factors, assignment):
+  return sum(float(table[tuple(assignment[c] for c in scope)]) for scope, table in factors)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_elimination_reaches_the_brute_force_minimum(seed):
+  factors, domain_size = random_objective(seed)
+  assignment = eliminate(factors, domain_size)
+  assert set(assignment) == set(domain_size)
+  assert all(0 <= assignment[c] < n for c, n in domain_size.items())
+  # Ties exist: compare objective values, not assignments.
+  assert value(factors, assignment) == pytest.approx(
+      brute_force(factors, domain_size).min(), rel=1e-12)
+
+
+def test_elimination_assigns_classes_no_table_mentions():
+  factors = [((0,), np.array([2.0, 1.0]))]
+  assert eliminate(factors, {0: 2, 1: 3}) == {0: 1, 1: 0}
+
+
+# -- budget fitting: Lagrange bisection vs the integer program vs brute force --------
+
+
+def random_budget_instance(seed):
+  """(time factors, memory tables, domain_size, budget) shaped like the search's.
+
+  Memory is bytes divided by the shards each class's choice makes (domain entry 0 is
+  unsplit), plus a fixed part; the budget sits between the leanest and the fastest
+  plan's memory (or a tenth above the leanest where the fastest plan is also the
+  leanest), or just under the leanest (infeasible).
+  """
+  rng = np.random.default_rng(1000 + seed)
+  factors, domain_size = random_objective(seed, inf_rate=0.05)
+  shards = {c: np.concatenate([[1.0], rng.choice([2.0, 4.0, 8.0], n - 1)])
+            for c, n in domain_size.items()}
+  memory = [Table((), np.array(float(rng.uniform(0, 5))), np.array(0.0))]
+  for _ in range(int(rng.integers(2, 5))):
+    scope = tuple(int(c) for c in rng.permutation(len(domain_size))[:int(rng.integers(1, 3))])
+    split = np.ones([domain_size[c] for c in scope])
+    for axis, c in enumerate(scope):
+      split = split * shards[c].reshape([-1 if a == axis else 1 for a in range(len(scope))])
+    table = rng.uniform(10, 100) / split
+    memory.append(Table(scope, table, np.zeros_like(table)))
+  time = brute_force(factors, domain_size)
+  mem = brute_force([(t.scope, t.value) for t in memory if t.scope], domain_size) \
+      + sum(float(t.value) for t in memory if not t.scope)
+  lean = mem[np.isfinite(time)].min()
+  fastest = mem[time == time.min()].min()
+  # Never exactly the leanest plan's memory: sums in another order round differently.
+  spread = max(fastest - lean, 0.1 * lean)
+  budget = lean + float(rng.uniform(-0.2, 1.0)) * spread
+  return factors, memory, domain_size, budget
+
+
+def _lagrange_run(factors, memory, domain_size):
+  """weight -> the assignment minimising time + weight * memory, as `solve` builds it."""
+  def run(weight):
+    weighted = [(t.scope, weight * t.value) for t in memory if t.scope and weight]
+    return eliminate(factors + weighted, domain_size)
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetCase:
+  opt: float        # brute-force: least time within the budget (inf: none fits)
+  lean: float       # brute-force: least memory of any finite-time plan
+  fit: solver.BudgetResult
+  fit_time: float
+  fit_mem: float    # brute-force memory of the bisection's plan
+  ilp: object
+  ilp_time: float
+  ilp_mem: float
+  budget: float
+
+
+def budget_case(seed):
+  factors, memory, domain_size, budget = random_budget_instance(seed)
+  time = brute_force(factors, domain_size)
+  mem = brute_force([(t.scope, t.value) for t in memory if t.scope], domain_size) \
+      + sum(float(t.value) for t in memory if not t.scope)
+  finite = np.isfinite(time)
+  fits = finite & (mem <= budget)
+  fit = fit_budget(_lagrange_run(factors, memory, domain_size), memory, budget)
+  rows = [(t.scope, t.value) for t in memory]
+  ilp = solve_ilp(factors, domain_size, rows, budget, None)
+  ilp_time = value(factors, ilp.assignment) if ilp.assignment is not None else math.inf
+  ilp_mem = (evaluate_tables(memory, ilp.assignment)[0] if ilp.assignment is not None
+             else math.inf)
+  return BudgetCase(opt=float(time[fits].min()) if fits.any() else math.inf,
+                    lean=float(mem[finite].min()), fit=fit,
+                    fit_time=value(factors, fit.assignment),
+                    fit_mem=float(mem[tuple(fit.assignment[c] for c in range(len(mem.shape)))]),
+                    ilp=ilp, ilp_time=ilp_time,
+                    ilp_mem=ilp_mem, budget=budget)
+
+
+BUDGET_SEEDS = range(40)
+
+
+@pytest.mark.parametrize("seed", BUDGET_SEEDS)
+def test_integer_program_is_the_constrained_optimum(seed):
+  case = budget_case(seed)
+  if math.isinf(case.opt):
+    assert case.ilp.assignment is None and case.ilp.status == "infeasible"
+    return
+  assert case.ilp.status == "optimal"
+  assert case.ilp_mem <= case.budget * (1 + 1e-9)
+  assert case.opt <= case.ilp_time <= case.opt * (1 + MIP_REL_GAP)
+
+
+@pytest.mark.parametrize("seed", BUDGET_SEEDS)
+def test_lagrange_bisection_fits_or_says_why(seed):
+  case = budget_case(seed)
+  fit = case.fit
+  # It fails exactly when even the leanest plan is over the budget, and then returns
+  # the leanest plan (the largest weight makes memory dominate).
+  assert fit.fits == (case.lean <= case.budget)
+  assert fit.used_bytes == pytest.approx(case.fit_mem, rel=1e-12)
+  if not fit.fits:
+    assert fit.used_bytes == pytest.approx(case.lean, rel=1e-12)
+    return
+  assert fit.used_bytes <= case.budget
+  # Never better than the constrained optimum, and within the Lagrangian certificate:
+  # the plan minimises time + w * memory, so for the optimum x*,
+  # time(fit) - time(x*) <= w * (memory(x*) - memory(fit)) <= w * (budget - used).
+  assert case.fit_time >= case.opt * (1 - 1e-12)
+  assert case.fit_time - case.opt <= fit.weight * (case.budget - fit.used_bytes) + 1e-9
+
+
+# -- solve() end to end on a traced program -------------------------------------------
+
+MESH = {"data": 2, "model": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_problem(num_layers, fold):
+  """GPT tiny's train step posed on the cpu profile, where tiny models get a plan that
+  splits something."""
+  m = models.get_model("gpt", "tiny", num_layers=num_layers)
+  return api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=MESH,
+                     device="cpu", fold=fold).problem
+
+
+def test_elimination_and_integer_program_agree_unbudgeted():
+  problem = gpt_problem(2, fold=False)
+  by_elimination = solver.solve(problem, solver="elimination")
+  by_ilp = solver.solve(problem, solver="ilp", time_limit=60)
+  assert by_elimination.status == by_ilp.status == "optimal"
+  assert by_elimination.choice, "the plan splits something: a non-trivial comparison"
+  # Elimination is exact; HiGHS is optimal to its relative gap. Ties make the choices
+  # differ, so compare objectives.
+  assert by_elimination.step_s <= by_ilp.step_s * (1 + 1e-12)
+  assert by_ilp.step_s <= by_elimination.step_s * (1 + MIP_REL_GAP)
+  # `evaluate` costs a choice by the same tables the solver minimised.
+  for sol in (by_elimination, by_ilp):
+    again = solver.evaluate(problem, sol.choice)
+    assert again.step_s == pytest.approx(sol.step_s, rel=1e-12)
+    assert again.comm_bytes == pytest.approx(sol.comm_bytes, rel=1e-12)
+    assert again.state_bytes == pytest.approx(sol.state_bytes, rel=1e-12)
+
+
+def test_reuse_builds_fewer_tables_and_the_same_objective():
+  problem = gpt_problem(4, fold=True)
+  shared, own = TableBuilder(problem, reuse=True), TableBuilder(problem, reuse=False)
+  reused, built = all_tables(problem, shared), all_tables(problem, own)
+  # Table for table, the same numbers: reuse only skips recomputing them.
+  assert [t.scope for t in reused] == [t.scope for t in built]
+  for a, b in zip(reused, built):
+    np.testing.assert_array_equal(a.value, b.value)
+    np.testing.assert_array_equal(a.comm, b.comm)
+  with_reuse = solver.solve(problem, reuse=True)
+  without = solver.solve(problem, reuse=False)
+  assert with_reuse.choice and with_reuse.step_s == without.step_s
+  assert with_reuse.comm_bytes == without.comm_bytes
+  assert with_reuse.tables_built == shared.built < without.tables_built == own.built
+  # Built once per structurally distinct op: as many for 8 layers as for 4.
+  deeper = gpt_problem(8, fold=True)
+  builder = TableBuilder(deeper, reuse=True)
+  all_tables(deeper, builder)
+  assert builder.built == shared.built
+
+
+# -- golden plans -----------------------------------------------------------------------
+
+GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+UPDATE_GOLDEN = os.environ.get("TAPAS_UPDATE_GOLDEN") == "1"
+REGENERATE = "python tests/solver_test.py --update-golden"
+FIGURES = ("predicted_step_s", "predicted_comm_bytes", "predicted_state_bytes",
+           "predicted_memory_bytes")
+# (family, memory budget as a fraction of the unbudgeted plan's predicted memory).
+# On the cpu profile tiny models split their batch, attention heads and MLP; half the
+# memory stores parameters and optimizer state split (ZeRO) as well.
+GOLDEN = [("gpt", None), ("gpt", 0.5), ("llama", None), ("llama", 0.5)]
+
+
+@functools.lru_cache(maxsize=None)
+def golden_plan(family, fraction):
+  m = models.get_model(family, "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  budget = None
+  if fraction is not None:
+    budget = fraction * golden_plan(family, None)[0].stats.predicted_memory_bytes
+  return tapas.search(*args, mesh=MESH, device="cpu", memory_budget=budget), budget
+
+
+def _key(k):
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def plan_record(plan, budget):
+  """What a golden file pins: every input's spec by pytree path, the split classes, the
+  predicted figures."""
+  specs = {}
+  for arg, tree in enumerate(plan.in_specs):
+    flat = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    for path, spec in flat:
+      specs["/".join([f"arg{arg}"] + [_key(k) for k in path])] = [
+          e if e is None or isinstance(e, str) else list(e) for e in spec]
+  return {
+      "regenerate": REGENERATE,
+      "mesh": dict(plan.mesh_axes),
+      "device": plan.device,
+      "memory_budget_bytes": budget,
+      "solver_status": plan.stats.solver_status,
+      "class_axes": [[ex, size, list(axes)] for ex, size, axes in plan.class_axes],
+      **{f: getattr(plan.stats, f) for f in FIGURES},
+      "in_specs": specs,
+  }
+
+
+def golden_diff(want, got):
+  """Readable lines: what moved between the golden record and the current one."""
+  lines = []
+  for key in ("mesh", "device", "solver_status"):
+    if want.get(key) != got[key]:
+      lines.append(f"{key}: {want.get(key)!r} -> {got[key]!r}")
+  for key in ("memory_budget_bytes",) + FIGURES:
+    a, b = want.get(key), got[key]
+    if (a is None) != (b is None) or (a is not None and not math.isclose(a, b, rel_tol=1e-6)):
+      lines.append(f"{key}: {a!r} -> {b!r}")
+  old, new = want.get("in_specs", {}), got["in_specs"]
+  for path in sorted(set(old) | set(new)):
+    if old.get(path) != new.get(path):
+      lines.append(f"spec {path}: {old.get(path, 'absent')} -> {new.get(path, 'absent')}")
+  old_axes = [tuple(map(str, row)) for row in want.get("class_axes", [])]
+  new_axes = [tuple(map(str, row)) for row in got["class_axes"]]
+  if old_axes != new_axes:
+    lines += [f"class_axes lost: {row}" for row in old_axes if row not in new_axes]
+    lines += [f"class_axes new: {row}" for row in new_axes if row not in old_axes]
+    if set(old_axes) == set(new_axes):
+      lines.append("class_axes: same rows, another order")
+  return lines
+
+
+def _dumps(record):
+  """JSON with one line per spec and per class row, so git diffs read like plan diffs."""
+  parts = []
+  for key in sorted(record):
+    v = record[key]
+    if key == "in_specs":
+      rows = [f"  {json.dumps(p)}: {json.dumps(s)}" for p, s in sorted(v.items())]
+    elif key == "class_axes":
+      rows = [f"  {json.dumps(row)}" for row in v]
+    else:
+      parts.append(f" {json.dumps(key)}: {json.dumps(v)}")
+      continue
+    opening, closing = ("{", "}") if key == "in_specs" else ("[", "]")
+    parts.append(f" {json.dumps(key)}: {opening}\n" + ",\n".join(rows) + f"\n {closing}")
+  return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+@pytest.mark.parametrize("family,fraction", GOLDEN)
+def test_golden_plan(family, fraction):
+  plan, budget = golden_plan(family, fraction)
+  got = plan_record(plan, budget)
+  # A plan that splits nothing would pin little.
+  assert any(any(e is not None for e in spec) for spec in got["in_specs"].values())
+  if budget is not None:
+    assert plan.stats.predicted_memory_bytes <= budget
+  name = f"{family}_tiny_cpu" + ("" if fraction is None else f"_budget{fraction:g}")
+  path = GOLDEN_DIR / f"{name}.json"
+  if UPDATE_GOLDEN:
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    path.write_text(_dumps(got))
+    return
+  if not path.exists():
+    pytest.fail(f"no golden plan {path}; write it with: {REGENERATE}")
+  want = json.loads(path.read_text())
+  diff = golden_diff(want, got)
+  if diff:
+    pytest.fail(f"{family} tiny plan (mesh {MESH}, cpu, budget {budget}) differs from "
+                f"{path.name} (golden -> now):\n  " + "\n  ".join(diff)
+                + f"\nIf the change is intended, regenerate with: {REGENERATE}",
+                pytrace=False)
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] != ["--update-golden"]:
+    sys.exit(f"usage: {sys.argv[0]} --update-golden  (rewrites {GOLDEN_DIR}/*.json)")
+  os.environ["TAPAS_UPDATE_GOLDEN"] = "1"
+  sys.exit(pytest.main([__file__, "-q", "-k", "golden"]))

@@ -307,3 +307,8 @@ def scan_counts(params: Mapping[str, Any]) -> ScanCounts | None:
   if consts is None or carry is None:
     return None
   return ScanCounts(int(consts), int(carry))
+
+
+def is_tracer(x: Any) -> bool:
+  """Whether x is a traced value (inside jit, grad, ...) rather than a concrete array."""
+  return isinstance(x, jax.core.Tracer)

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -31,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tapas_jax import _jax_internals as jx
 from tapas_jax import options
 from tapas_jax import plan as planlib
+from tapas_jax import plan_file
 from tapas_jax import trace as tracelib
 from tapas_jax.mesh import MeshError, make_mesh
 
@@ -79,33 +81,6 @@ def _mesh_diff(want: Mapping[str, int], have: Mapping[str, int]) -> str:
   return f"axis order {list(have)}, the plan's {list(want)}"
 
 
-def _bind(specs: Any, arg: Any, where: str, plan: planlib.Plan) -> Any:
-  """`specs` in `arg`'s pytree structure.
-
-  A plan loaded from a file holds stand-ins for the pytree node types JSON cannot
-  rebuild (a flax `TrainState`, optax states, nnx `State`); they are bound to the
-  argument's own node types when the key paths of the leaves agree one for one.
-  """
-  have = jax.tree.structure(arg)
-  if jax.tree.structure(specs, is_leaf=_is_spec) == have:
-    return specs
-  spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-  arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-  spec_paths = [tracelib.key_path_str(p) for p, _ in spec_leaves]
-  arg_paths = [tracelib.key_path_str(p) for p, _ in arg_leaves]
-  if spec_paths == arg_paths and all(_is_spec(s) for _, s in spec_leaves):
-    return jax.tree.unflatten(have, [s for _, s in spec_leaves])
-  diff = next((k for k, (a, b) in enumerate(zip(arg_paths, spec_paths)) if a != b),
-              min(len(arg_paths), len(spec_paths)))
-  got = f"'{arg_paths[diff]}'" if diff < len(arg_paths) else "nothing"
-  want = f"'{spec_paths[diff]}'" if diff < len(spec_paths) else "nothing"
-  raise ValueError(
-      f"apply: plan {plan.name!r} was searched for another program: {where} has "
-      f"{len(arg_paths)} leaves, the plan {len(spec_paths)}; leaf {diff} is {got} here and "
-      f"{want} in the plan. Search again with tapas.search(fn, *args, mesh=...) on what "
-      "you run.")
-
-
 class _Call:
   """The arguments of one call, flattened as the plan's program takes them: the
   positional ones, then the keyword ones in sorted name order."""
@@ -126,7 +101,7 @@ class _Call:
     self.where = [f"argument {i}" for i in range(len(args))] + \
         [f"keyword argument {n!r}" for n in names]
     self.specs = tuple(
-        _bind(s, a, w, plan) for s, a, w in
+        plan_file.bind_specs(s, a, w, plan.name) for s, a, w in
         zip(tuple(plan.in_specs) + tuple(plan.kwargs_specs[n] for n in names),
             self.values, self.where))
 
@@ -170,7 +145,8 @@ def place(plan: planlib.Plan, *args: Any, mesh: Any = None,
 
 
 def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
-          donate_argnums: int | Sequence[int] = ()) -> Callable[..., Any]:
+          donate_argnums: int | Sequence[int] = (),
+          donate_argnames: str | Sequence[str] = ()) -> Callable[..., Any]:
   """`fn` jitted to run as the plan says.
 
   Args:
@@ -180,6 +156,8 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
     mesh: a `jax.sharding.Mesh` (Auto axes) with the plan's axes; default: the mesh
       set by `jax.set_mesh` when `apply` is called, else `make_mesh` of the plan's axes
       over the local devices.
+    donate_argnames: arguments to donate by name, as for `jax.jit`: the plan's keyword
+      arguments, or `fn`'s parameters searched positionally.
     donate_argnums: positional arguments to donate, as for `jax.jit` (donate the
       state to update it in place).
 
@@ -201,7 +179,34 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
     raise options.OptionError(f"apply: fn must be callable, got {type(fn).__name__}; "
                               "pass the step searched: tapas.apply(plan, step).")
   donate = options.donate_argnums(donate_argnums, len(plan.in_specs))
-  return _Applied(plan, fn, mesh, donate)
+  donate += _donated_names(plan, fn, donate_argnames)
+  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))))
+
+
+def _donated_names(plan: planlib.Plan, fn, names: str | Sequence[str]) -> tuple[int, ...]:
+  """Positions, in the flat arguments the jitted program takes, of the named ones."""
+  names = (names,) if isinstance(names, str) else tuple(names)
+  if not all(isinstance(n, str) for n in names):
+    raise options.OptionError(f"apply: donate_argnames={names!r} must be a name or a "
+                              "sequence of names.")
+  try:
+    params = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  positional = params[:len(plan.in_specs)]
+  keywords = sorted(plan.kwargs_specs)
+  out = []
+  for name in names:
+    if name in keywords:
+      out.append(len(plan.in_specs) + keywords.index(name))
+    elif name in positional:
+      out.append(positional.index(name))
+    else:
+      raise options.OptionError(
+          f"apply: donate_argnames names {name!r}, which is not an argument of the plan "
+          f"(positional {positional or len(plan.in_specs)}, keywords {keywords}).")
+  return tuple(out)
 
 
 class _Applied:
@@ -217,13 +222,16 @@ class _Applied:
     self._jitted: dict[Any, Any] = {}
 
   def _prepare(self, args, kwargs):
-    call = _Call(self.plan, args, kwargs, "apply")
-    key = (tuple(call.names), tuple(jax.tree.structure(v) for v in call.values))
+    args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
+    names = sorted(kwargs)
+    values = tuple(args) + tuple(kwargs[n] for n in names)
+    # Checking and binding the specs walks every leaf: once per argument structure.
+    key = (len(args), tuple(names), tuple(jax.tree.structure(v) for v in values))
     if key not in self._jitted:
+      call = _Call(self.plan, args, kwargs, "apply")
       shardings = call.shardings(self.mesh)
-      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings)
-    jitted, shardings = self._jitted[key]
-    return call, jitted, shardings
+      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings, call.where)
+    return values, self._jitted[key]
 
   def _jit(self, num_positional: int, names: Sequence[str], in_shardings):
     plan, fn, pins = self.plan, self.fn, self.pins
@@ -245,23 +253,51 @@ class _Applied:
     return jax.jit(run, in_shardings=in_shardings, donate_argnums=self.donate)
 
   def __call__(self, *args, **kwargs):
-    call, jitted, shardings = self._prepare(args, kwargs)
+    values, (jitted, shardings, where) = self._prepare(args, kwargs)
     try:
-      return jitted(*call.values)
+      return jitted(*values)
     except ValueError as e:
-      found = _committed_elsewhere(call, shardings)
+      found = _committed_elsewhere(where, values, shardings)
       if found is None:
         raise
       raise ValueError(found) from e
 
   def lower(self, *args, **kwargs):
-    call, jitted, _ = self._prepare(args, kwargs)
-    return jitted.lower(*call.values)
+    values, (jitted, _, _) = self._prepare(args, kwargs)
+    return jitted.lower(*values)
 
 
-def _committed_elsewhere(call: _Call, shardings: Sequence[Any]) -> str | None:
+def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+  """The call's arguments split into positional and keyword ones as the plan was
+  searched, where `fn`'s signature says how (`step(state, batch=b)` for a plan of
+  `step(state, batch)`, and the reverse), as `jax.jit` accepts both; else unchanged."""
+  n, names = len(plan.in_specs), sorted(plan.kwargs_specs)
+  if len(args) == n and sorted(kwargs) == names:
+    return args, kwargs
+  try:
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return args, kwargs
+  params = list(sig.parameters.values())
+  if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params
+         if p.name in bound.arguments):
+    return args, kwargs
+  positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                     p.POSITIONAL_OR_KEYWORD)][:n]
+  if len(positional) < n or any(name not in bound.arguments for name in positional):
+    return args, kwargs
+  rest = {k: v for k, v in bound.arguments.items() if k not in positional}
+  if sorted(rest) != names or any(sig.parameters[k].kind == inspect.Parameter.POSITIONAL_ONLY
+                                  for k in rest):
+    return args, kwargs
+  return tuple(bound.arguments[name] for name in positional), rest
+
+
+def _committed_elsewhere(names: Sequence[str], values: Sequence[Any],
+                         shardings: Sequence[Any]) -> str | None:
   """Names the first argument leaf committed to another sharding than the plan's."""
-  for where, value, tree in zip(call.where, call.values, shardings):
+  for where, value, tree in zip(names, values, shardings):
     leaves = jax.tree_util.tree_flatten_with_path(value)[0]
     for (path, leaf), want in zip(leaves, jax.tree.leaves(tree)):
       have = getattr(leaf, "sharding", None)

@@ -24,6 +24,8 @@ import numbers
 import re
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 __all__ = ["MeshError", "OptionError", "batch_axes", "device", "donate_argnums", "flag", "kwargs",
            "memory_bytes", "mesh_axes", "solver", "time_limit"]
 
@@ -170,7 +172,7 @@ def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
 
 def flag(value: Any, name: str, where: str = "search") -> bool:
   """A bool (numpy bools too); 0, 1, "yes" and None are refused rather than guessed."""
-  if isinstance(value, bool) or type(value).__name__ == "bool_":
+  if isinstance(value, (bool, np.bool_)):
     return bool(value)
   raise OptionError(f"{where}: {name}={value!r} is a {type(value).__name__}; use True or "
                     "False.")

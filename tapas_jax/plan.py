@@ -145,6 +145,28 @@ class Plan:
     from tapas_jax import plan_file  # noqa: PLC0415 - plan_file imports this module
     plan_file.save(self, path)
 
+  def bind(self, *args: Any, kwargs: Mapping[str, Any] | None = None) -> "Plan":
+    """This plan with `in_specs` (and `kwargs_specs`) in the arguments' own pytree
+    structure, e.g. to build `jax.jit(..., in_shardings=...)` yourself from a loaded
+    plan, whose flax/optax/nnx nodes are stand-ins (`plan_file.StoredNode`).
+
+    Raises:
+      ValueError: the arguments' leaves have other key paths than the plan's.
+    """
+    from tapas_jax import plan_file  # noqa: PLC0415
+    kwargs = dict(kwargs or {})
+    if len(args) != len(self.in_specs) or sorted(kwargs) != sorted(self.kwargs_specs):
+      raise ValueError(f"bind: plan {self.name!r} has specs for {len(self.in_specs)} "
+                       f"positional argument(s) and keywords {sorted(self.kwargs_specs)}; "
+                       f"got {len(args)} and {sorted(kwargs)}.")
+    return dataclasses.replace(
+        self,
+        in_specs=tuple(plan_file.bind_specs(s, a, f"argument {i}", self.name)
+                       for i, (s, a) in enumerate(zip(self.in_specs, args))),
+        kwargs_specs={k: plan_file.bind_specs(self.kwargs_specs[k], v,
+                                              f"keyword argument {k!r}", self.name)
+                      for k, v in kwargs.items()})
+
   @classmethod
   def load(cls, path) -> "Plan":
     """Reads a plan `save` wrote. Raises `plan_file.PlanFileError` (a ValueError)

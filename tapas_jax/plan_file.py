@@ -13,6 +13,16 @@ code), so they come back as `StoredNode`s that keep the type's name, the childre
 keys and their order: `apply` and `place` bind them to the arguments' own node types
 when every leaf's key path agrees.
 
+The file: one JSON object with `schema` ("tapas_jax.plan"), `version` (an int; a
+reader refuses versions newer than its own), `name`, `device`, `fingerprint`, `mesh`
+([axis, size] pairs, in order), `in_specs` (one spec tree per positional argument),
+`kwargs_specs` ([name, spec tree] pairs), `input_types` ([path, "float32[8,64]"]),
+`class_axes`, `layers`, `stats` (the `PlanStats` fields) and `constraints` ({site,
+slot, spec}). A PartitionSpec is a list of null, an axis name or a list of names; a
+spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
+{"tuple": [...]}, {"node": type name, "keys": [[kind, key], ...], "children": [...]}
+or null.
+
 Example:
   >>> import os, tempfile
   >>> import jax, jax.numpy as jnp
@@ -40,9 +50,10 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import plan as planlib
+from tapas_jax.trace import key_path_str
 
-__all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "from_json", "load", "save",
-           "to_json"]
+__all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "bind_specs", "from_json",
+           "load", "save", "to_json"]
 
 SCHEMA = "tapas_jax.plan"
 VERSION = 1
@@ -97,6 +108,40 @@ class StoredNode:
     name = self.type_name.rsplit(".", 1)[-1]
     return f"{name}(" + ", ".join(f"{k}={c!r}" for (_, k), c in
                                  zip(self.keys, self.children)) + ")"
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def bind_specs(specs: Any, arg: Any, where: str, plan_name: str = "tapas") -> Any:
+  """`specs` in `arg`'s pytree structure.
+
+  A plan loaded from a file holds stand-ins for the pytree node types JSON cannot
+  rebuild (a flax `TrainState`, optax states, nnx `State`); they are bound to the
+  argument's own node types when the key paths of the leaves agree one for one.
+
+  Raises:
+    ValueError: the leaves' key paths differ; names the first that does.
+  """
+  have = jax.tree.structure(arg)
+  if jax.tree.structure(specs, is_leaf=_is_spec) == have:
+    return specs
+  spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+  arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+  spec_paths = [key_path_str(p) for p, _ in spec_leaves]
+  arg_paths = [key_path_str(p) for p, _ in arg_leaves]
+  if spec_paths == arg_paths and all(_is_spec(s) for _, s in spec_leaves):
+    return jax.tree.unflatten(have, [s for _, s in spec_leaves])
+  diff = next((k for k, (a, b) in enumerate(zip(arg_paths, spec_paths)) if a != b),
+              min(len(arg_paths), len(spec_paths)))
+  got = f"'{arg_paths[diff]}'" if diff < len(arg_paths) else "nothing"
+  want = f"'{spec_paths[diff]}'" if diff < len(spec_paths) else "nothing"
+  raise ValueError(
+      f"plan {plan_name!r} was searched for another program: {where} has "
+      f"{len(arg_paths)} leaves, the plan {len(spec_paths)}; leaf {diff} is {got} here and "
+      f"{want} in the plan. Search again with tapas.search(fn, *args, mesh=...) on what "
+      "you run.")
 
 
 # -- writing ----------------------------------------------------------------------
@@ -181,7 +226,15 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
 
 def save(plan: planlib.Plan, path: str | os.PathLike) -> None:
   """Writes the plan to `path` as JSON, atomically (temporary file, then rename)."""
-  text = json.dumps(to_json(plan), indent=1, allow_nan=False)
+  try:
+    text = json.dumps(to_json(plan), indent=1, allow_nan=False)
+  except ValueError as e:  # NaN or infinity among the numbers: JSON has neither
+    if isinstance(e, PlanFileError):
+      raise
+    bad = [k for k, v in dataclasses.asdict(plan.stats).items()
+           if isinstance(v, float) and not math.isfinite(v)]
+    raise PlanFileError(f"save: the plan cannot be written as JSON ({e}); stats fields "
+                        f"{bad} are not finite.") from e
   path = os.fspath(path)
   folder = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",

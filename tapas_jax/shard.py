@@ -34,9 +34,10 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax import api
-from tapas_jax.apply import apply as apply_plan
 from tapas_jax import plan as planlib
+from tapas_jax.apply import apply as apply_plan
 from tapas_jax.mesh import MeshError, check_auto, make_mesh
 
 __all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "place_as_planned",
@@ -289,7 +290,8 @@ class ShardedFunction:
     return (slot.index is not None and slot.index in wanted) or key in names
 
   def _split(self, args, kwargs):
-    """(key, dynamic values, the function of the dynamic values, donated positions)."""
+    """(key, dynamic values, their abstract values, the function of the dynamic values,
+    donated positions among them)."""
     slots = self._slots(args, kwargs)
     count = sum(1 for s, _ in slots if s.index is not None)
     statics, dynamic, donated, layout = {}, [], [], []
@@ -400,7 +402,7 @@ def place_as_planned(tree: Any, shardings: Any) -> Any:
   """Concrete arrays moved to their planned sharding (jit refuses a committed array in
   another one); tracers, scalars and abstract values pass: jit's in_shardings take them."""
   def move(x, s):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+    if isinstance(x, jax.Array) and not jx.is_tracer(x) and \
         not x.sharding.is_equivalent_to(s, x.ndim):
       return jax.device_put(x, s)
     return x

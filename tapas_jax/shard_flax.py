@@ -15,12 +15,16 @@ linen: `Sharded = tapas.shard(MyModule)` is a subclass of `MyModule`:
     (`jax.eval_shape`: nothing allocated) and runs `jax.jit(init,
     out_shardings=plan)`: every variable is made where the plan stores it, never
     whole on one device first;
-  - `.apply(variables, *inputs, **static_kwargs)` is a jitted call whose variables
-    and inputs enter in the plan's layouts (moved there if they are elsewhere) and
-    whose inside is constrained by `forward_plan`: the train plan's choice of mesh
-    axes per dimension class, applied to the forward's own program (no new search:
-    a forward-only search would pick layouts that ignore backward and optimizer);
+  - `.apply(variables, *inputs, mutable=False, **static_kwargs)` is a jitted call
+    whose variables and inputs enter in the plan's layouts (moved there if they are
+    elsewhere) and whose inside is constrained by `forward_plan`: the train plan's
+    mesh axes per dimension class, applied to the forward's own program (no new
+    search: a forward-only search would pick layouts that ignore backward and the
+    optimizer; classes no input reaches stay unsplit);
   - `.plan_for(variables, *inputs)` gives the `ModulePlan` (plan and shardings).
+  The plan is for the shapes `init` gets, or for `example_inputs=` when given: init
+  with a batch of one and the plan is one for a batch of one. `apply` on other
+  shapes searches their plan, and moves variables stored otherwise on every call.
   Used as a submodule of another module it is the plain module: only the top-level
   `init`/`apply` are sharded.
 
@@ -37,13 +41,15 @@ call and that program's plan governs. `Sharded.plan` / `Sharded.module_plan` are
 last plan made.
 
 Optimizer state: `optax` made eagerly from sharded params follows their shardings
-(zeros_like keeps a concrete array's sharding); under `jax.jit` it does not (the
-moments come out on one device), so use `optimizer_state(optimizer, params)`, which
-jits `optimizer.init` with the params' shardings as `out_shardings`.
+(zeros_like keeps a concrete array's sharding; so does `nnx.Optimizer`); under
+`jax.jit` it does not (jax 0.10.2: the moments come out on one device), so use
+`optimizer_state(optimizer, params)`, which jits `optimizer.init` with the params'
+shardings as `out_shardings`.
 
-Not supported: linen `apply` with `rngs=`, `mutable=` or `method=` (run the plain
-module inside your own `@tapas.shard` train step), modules whose forward needs rngs
-(dropout) during the search, and sharding a submodule on its own.
+Not supported: linen `init`/`apply` with `rngs=` (dropout), `method=` or
+`capture_intermediates=`, and modules whose forward needs rngs during the search
+(run the plain module inside your own `@tapas.shard` train step instead); sharding
+a submodule on its own; a label-aware default loss (give `loss_fn`).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -72,6 +78,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax import api
 from tapas_jax import cost as costlib
 from tapas_jax import plan as planlib
@@ -161,10 +168,8 @@ def shard_class(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
     TypeError: `cls` is not a flax module class, or an option does not fit it.
   """
   if issubclass(cls, nn.Module):
-    if example_inputs is not None:
-      raise TypeError(f"shard: example_inputs is for nnx modules; the linen module "
-                      f"{cls.__name__} is planned on the inputs given to init")
-    return shard_linen(cls, search, loss_fn=loss_fn, optimizer=optimizer)
+    return shard_linen(cls, search, loss_fn=loss_fn, optimizer=optimizer,
+                       example_inputs=example_inputs)
   if issubclass(cls, nnx.Module):
     return shard_nnx(cls, search, loss_fn=loss_fn, optimizer=optimizer,
                      example_inputs=example_inputs)
@@ -280,18 +285,27 @@ def _split_collections(variables) -> tuple[Any, dict]:
 
 
 def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = None,
-                optimizer: optax.GradientTransformation | None = None) -> type:
-  """A subclass of the linen module `cls` whose `init` and `apply` follow a plan."""
+                optimizer: optax.GradientTransformation | None = None,
+                example_inputs: Any = None) -> type:
+  """A subclass of the linen module `cls` whose `init` and `apply` follow a plan.
+
+  `example_inputs` (optional): the inputs to plan for, when `init` gets others (a
+  batch of one, say): arrays or ShapeDtypeStructs, or a function of the module
+  returning them.
+  """
   cache: dict = {}
   forwards: dict = {}  # (id of a ModulePlan, static kwargs) -> the applied forward
 
   class Sharded(cls):  # type: ignore[misc, valid-type]
 
-    def _forward(self, kwargs):
+    def _forward(self, kwargs, mutable: Any = True):
+      """`(params, state, *inputs) -> (outputs, state)`; `mutable` as for apply (the
+      train step may update every collection)."""
       def forward(params, state, *inputs):
         variables = {"params": params, **state}
-        if state:
-          out, new = super(Sharded, self).apply(variables, *inputs, mutable=list(state),
+        names = list(state) if mutable is True else list(mutable or ())
+        if names:
+          out, new = super(Sharded, self).apply(variables, *inputs, mutable=names,
                                                 **kwargs)
           return out, {**state, **new}
         return super(Sharded, self).apply(variables, *inputs, **kwargs), state
@@ -305,17 +319,20 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
 
     def _init_jit(self, rngs, inputs, kwargs):
       base_init = super(Sharded, self).init
-      variables = jax.eval_shape(lambda r, *i: base_init(r, *i), rngs, *inputs)
-      plan = self.plan_for(variables, *inputs, **kwargs)
-      jitted = jax.jit(lambda r, *i: _split_collections(base_init(r, *i)),
+      variables = jax.eval_shape(lambda r, *i: base_init(r, *i, **kwargs), rngs, *inputs)
+      planned = inputs
+      if example_inputs is not None:
+        planned = example_inputs(self) if callable(example_inputs) else example_inputs
+      plan = self.plan_for(variables, *planned, **kwargs)
+      jitted = jax.jit(lambda r, *i: _split_collections(base_init(r, *i, **kwargs)),
                        out_shardings=(plan.params, plan.state))
       return plan, jitted
 
     def init(self, rngs, *inputs, **kwargs):
       """Variables made where the plan stores them (`jax.jit` with out_shardings).
 
-      Keyword arguments are static options of `__call__` (hashable); `method=` and
-      `mutable=` are not supported.
+      Keyword arguments are static options of `__call__` (hashable); `method=`,
+      `mutable=` and `rngs=` (beyond the init rngs) are not supported.
       """
       _check_kwargs("init", kwargs)
       _, jitted = self._init_jit(rngs, inputs, kwargs)
@@ -328,28 +345,35 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
       _, jitted = self._init_jit(rngs, inputs, kwargs)
       return jitted.lower(rngs, *inputs)
 
-    def apply(self, variables, *inputs, **kwargs):
-      """`Module.apply`, jitted with the plan's layouts for variables and inputs.
+    def apply(self, variables, *inputs, mutable: Any = False, **kwargs):
+      """`Module.apply`, jitted and constrained by `forward_plan`.
 
-      Keyword arguments are static options of `__call__` (hashable).
+      Args:
+        variables: as `init` returns them (moved to the plan's layouts if elsewhere).
+        *inputs: positional inputs of `__call__`.
+        mutable: False, True or collection names, as for linen's apply: with it, the
+          result is `(outputs, updated collections)`.
+        **kwargs: static (hashable) keyword options of `__call__`.
       """
       _check_kwargs("apply", kwargs)
+      names = tuple(sorted(set(variables) - {"params"})) if mutable is True else \
+          tuple(mutable or ())
       plan = self.plan_for(variables, *inputs, **kwargs)
       params, state = _split_collections(variables)
-      key = (id(plan), _static(kwargs))  # plans live in `cache`: ids stay theirs
+      key = (id(plan), _static(kwargs), names)  # plans live in `cache`: ids stay theirs
       if key not in forwards:
-        forward = self._forward(kwargs)
-        abstract = _split_collections(_abstract(variables))
-        fwd = forward_plan(plan, forward, *abstract, _abstract(inputs), fold=search.fold)
-        forwards[key] = apply_plan(fwd, forward, mesh=plan.mesh)
-      out, _ = forwards[key](_place(params, plan.params), _place(state, plan.state),
-                             *(_place(x, s) for x, s in zip(inputs, plan.inputs)))
-      return out
+        forwards[key] = apply_plan(self.forward_plan_for(variables, *inputs, mutable=names,
+                                                         **kwargs),
+                                   self._forward(kwargs, names), mesh=plan.mesh)
+      out, new = forwards[key](_place(params, plan.params), _place(state, plan.state),
+                               *(_place(x, s) for x, s in zip(inputs, plan.inputs)))
+      return (out, {n: new[n] for n in names}) if mutable else out
 
-    def forward_plan_for(self, variables: Any, *inputs: Any, **kwargs: Any):
+    def forward_plan_for(self, variables: Any, *inputs: Any, mutable: Any = False,
+                         **kwargs: Any) -> planlib.Plan:
       """The plan `apply` runs with (see `forward_plan`)."""
       plan = self.plan_for(variables, *inputs, **kwargs)
-      return forward_plan(plan, self._forward(kwargs),
+      return forward_plan(plan, self._forward(kwargs, mutable),
                           *_split_collections(_abstract(variables)), _abstract(inputs),
                           fold=search.fold)
 
@@ -359,7 +383,8 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
 
 
 def _check_kwargs(where: str, kwargs: dict) -> None:
-  bad = sorted(set(kwargs) & {"method", "mutable", "rngs", "capture_intermediates"})
+  bad = sorted(set(kwargs) & {"method", "mutable", "rngs", "capture_intermediates"}
+               - ({"mutable"} if where == "apply" else set()))
   if bad:
     raise TypeError(f"tapas.shard module {where}: {bad} are not supported; call the "
                     f"plain module's {where} inside your own @tapas.shard step instead")
@@ -403,7 +428,7 @@ def shard_nnx(cls: type, search: SearchOptions, *, loss_fn: Callable | None = No
     """The module's call; outside a trace, jitted and constrained by `forward_plan`."""
     graphdef, params, rest = nnx.split(self, nnx.Param, ...)
     leaves = jax.tree.leaves((params, rest, inputs))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(jx.is_tracer(x) for x in leaves):
       # Inside the caller's jit or tapas.shard step: that program's plan governs.
       return super(Sharded, self).__call__(*inputs, **kwargs)
     plan, _, applied = _planned_call(graphdef, params, rest, inputs, kwargs)

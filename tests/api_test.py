@@ -204,6 +204,9 @@ def _plan():
      "names argument 2, but the plan has 2 positional"),
     (lambda plan: tapas.apply(plan, lambda w, x: w, donate_argnums="0"),
      "must be an int or a sequence of ints"),
+    (lambda plan: tapas.apply(plan, lambda w, x: w, donate_argnames="state"),
+     r"donate_argnames names 'state', which is not an argument of the plan \(positional "
+     r"\['w', 'x'\]"),
     (lambda plan: tapas.apply(plan, lambda w, x: w, mesh={"data": 2, "model": 4}),
      r"is a dict; pass a jax.sharding.Mesh"),
     (lambda plan: tapas.place(plan, np.ones((8, 8)), kwargs=3), "kwargs=3 is a int"),
@@ -221,3 +224,13 @@ def test_a_mesh_mismatch_names_the_axis():
   with jax.set_mesh(tapas.make_mesh({"data": 8})):
     with pytest.raises(tapas.MeshError, match="the mesh set by jax.set_mesh.*'data' has size 8"):
       tapas.apply(_plan(), lambda w, x: w)
+
+
+def test_donate_argnames_reach_keyword_and_positional_arguments():
+  f = lambda w, x, *, b: jnp.sum(x @ w) + b  # noqa: E731
+  plan = tapas.search(f, W, X, kwargs={"b": jax.ShapeDtypeStruct((), jnp.float32)}, **GOOD)
+  step = tapas.apply(plan, f, donate_argnames=("b", "w"))
+  assert step.donate == (0, 2)  # w first, then x, then the keywords in name order
+  w, x = np.ones((8, 8), np.float32), np.ones((64, 8), np.float32)
+  b = jnp.float32(1.0)
+  np.testing.assert_allclose(step(w, x, b=b), f(w, x, b=1.0), rtol=1e-6)

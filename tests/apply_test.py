@@ -150,7 +150,15 @@ def test_keyword_arguments_are_searched_applied_and_placed():
   assert plan.in_specs == positional.in_specs[:1]
   got, ref = _losses(plan, m, kwargs=True)
   np.testing.assert_allclose(got, ref, rtol=2e-6)
+  # Passed positionally, or the other way round, as jax.jit takes either.
   step = tapas.apply(plan, m.train_step())
+  want = step.lower(m.abstract_state(), batch=m.batch_spec(8)).as_text()
+  assert step.lower(m.abstract_state(), m.batch_spec(8)).as_text() == want
+  step = tapas.apply(positional, m.train_step())
+  assert step.lower(m.abstract_state(), batch=m.batch_spec(8)).as_text() == \
+      step.lower(m.abstract_state(), m.batch_spec(8)).as_text()
+  # A function whose signature cannot say: the call must look as searched.
+  step = tapas.apply(plan, lambda *a, **k: m.train_step()(*a, **k))
   with pytest.raises(ValueError, match=r"called with 1 positional argument\(s\) and "
                      r"keyword\(s\) \['batch'\]; got 2 positional"):
     step.lower(m.abstract_state(), m.batch_spec(8))

@@ -1,6 +1,7 @@
 """Plans as files: save -> load gives the plan back, a loaded plan applies and runs
 like the searched one, bad files and mismatched programs or meshes say what differs."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -68,6 +69,11 @@ def test_train_state_specs_round_trip_by_key_path(tmp_path, family):
   # TrainState, optax and nnx nodes come back as stand-ins that bind to the real ones.
   assert isinstance(loaded.in_specs[0], plan_file.StoredNode)
   assert loaded.in_specs[0].type_name.endswith("TrainState")
+  bound = loaded.bind(m.abstract_state(), m.batch_spec(8))
+  assert bound.in_specs == plan.in_specs  # the real TrainState, optax and nnx nodes again
+  with pytest.raises(ValueError, match="argument 1 has 1 leaves, the plan 2; leaf 1 is "
+                     "nothing here and 'targets' in the plan"):
+    loaded.bind(m.abstract_state(), {"inputs": m.batch_spec(8)["inputs"]})
   lowered = tapas.apply(loaded, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
   want = tapas.apply(plan, m.train_step()).lower(m.abstract_state(), m.batch_spec(8))
   assert lowered.as_text() == want.as_text()
@@ -95,7 +101,7 @@ def test_saving_is_atomic(tmp_path):
   path = tmp_path / "plan.json"
   small_plan().save(path)
   before = path.read_text()
-  bad = small_plan().__class__(**{**small_plan().__dict__, "in_specs": (P(object()),)})
+  bad = dataclasses.replace(small_plan(), in_specs=(P(object()),))
   with pytest.raises(plan_file.PlanFileError, match="cannot be written"):
     bad.save(path)
   assert path.read_text() == before, "a failed save changed the file"
@@ -180,3 +186,11 @@ def test_a_loaded_plan_on_another_program_or_mesh_says_what_differs(tmp_path):
         {"w": W, "extra": None}, [X])
   with pytest.raises(tapas.MeshError, match="axis 'data' has size 4, the plan's 2"):
     tapas.apply(loaded, nested, mesh=tapas.make_mesh({"data": 4, "model": 2}))
+
+
+def test_a_plan_with_infinite_numbers_is_refused_by_name(tmp_path):
+  plan = dataclasses.replace(small_plan(), stats=dataclasses.replace(
+      small_plan().stats, predicted_step_s=float("inf")))
+  with pytest.raises(plan_file.PlanFileError, match=r"\['predicted_step_s'\] are not finite"):
+    plan.save(tmp_path / "plan.json")
+  assert not os.listdir(tmp_path)

@@ -124,6 +124,18 @@ def test_mesh_from_context_else_default(searches):
   assert len(searches) == 2, "another mesh, another plan"
 
 
+def test_composes_with_grad_and_jit():
+  f = tapas.shard(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2), mesh=MESH, device="cpu")
+  g = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+  x = jax.random.normal(jax.random.key(1), (256, 64))
+  ref = jax.grad(g)(w, x)
+  # float32 sums over the batch in another order: tolerance scaled by the gradient.
+  np.testing.assert_allclose(jax.grad(f)(w, x), ref, rtol=1e-5,
+                             atol=1e-5 * float(jnp.abs(ref).max()))
+  np.testing.assert_allclose(jax.jit(f)(w, x), g(w, x), rtol=1e-5)
+
+
 def test_bare_decorator_and_varargs():
   @tapas.shard
   def total(*arrays, **named):
@@ -290,6 +302,72 @@ def test_linen_module_plan_costs_backward_and_optimizer():
   assert len(adam_like) == 1 + 2 * len(jax.tree.leaves(variables["params"]))
 
 
+class Norm(nn.Module):
+  """Keyword options of __call__ (static) and a mutable collection."""
+
+  @nn.compact
+  def __call__(self, x, *, train=False):
+    h = nn.Dense(32)(x)
+    return nn.BatchNorm(use_running_average=not train)(h)
+
+
+def test_linen_static_keywords_and_mutable_collections():
+  sharded = tapas.shard(Norm, mesh=MESH, device="cpu")()
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  variables = sharded.init(jax.random.key(0), x, train=False)
+  plain = Norm().init(jax.random.key(0), x, train=False)
+  assert set(variables) == {"params", "batch_stats"}
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(sharded.apply(variables, x, train=False),
+                             Norm().apply(plain, x, train=False), rtol=1e-5, atol=1e-6)
+  out, stats = sharded.apply(variables, x, train=True, mutable=["batch_stats"])
+  ref_out, ref_stats = Norm().apply(plain, x, train=True, mutable=["batch_stats"])
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(ref_stats)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # As in linen, updating a collection not marked mutable is an error, not a no-op.
+  with pytest.raises(tapas.TraceError, match="collection \"batch_stats\" is immutable"):
+    sharded.apply(variables, x, train=True)
+  with pytest.raises(TypeError, match=r"\['method'\] are not supported"):
+    sharded.apply(variables, x, method="encode")
+
+
+def test_linen_plans_for_example_inputs_not_the_init_batch(searches):
+  batch = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  sharded = tapas.shard(MLP, mesh=MESH, device="cpu", example_inputs=(batch,))()
+  one = jnp.ones((1, 64))
+  variables = sharded.init(jax.random.key(0), one)
+  assert len(searches) == 1
+  plan = sharded.plan_for(variables, batch)
+  assert len(searches) == 1, "init planned for example_inputs"
+  for leaf, want in zip(jax.tree.leaves(variables["params"]), jax.tree.leaves(plan.params)):
+    assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+  x = jax.random.normal(jax.random.key(1), (64, 64))
+  np.testing.assert_allclose(sharded.apply(variables, x),
+                             MLP().apply(MLP().init(jax.random.key(0), one), x),
+                             rtol=1e-5, atol=1e-6)
+  assert len(searches) == 1
+
+
+def test_module_loss_and_optimizer_can_be_given():
+  seen = []
+
+  def loss_fn(outputs, x):
+    seen.append((outputs.shape, x.shape))
+    return jnp.mean(jnp.abs(outputs - x[:, :64]))
+
+  sharded = tapas.shard(MLP, mesh=MESH, device="cpu", loss_fn=loss_fn,
+                        optimizer=optax.sgd(0.1, momentum=0.9))()
+  x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  variables = jax.eval_shape(MLP().init, jax.random.key(0), x)
+  plan = sharded.plan_for(variables, x)
+  assert seen == [((64, 64), (64, 128))], "the step searched calls the given loss"
+  # SGD with momentum keeps one trace per parameter and no step count.
+  assert len(jax.tree.leaves(plan.opt_state)) == len(jax.tree.leaves(variables["params"]))
+  assert plan.optimizer is not None and sharded.plan_for(variables, x) is plan
+
+
 def test_zoo_gpt_linen_init_and_apply():
   m = models.get_model("gpt", "tiny")
   module = m.family.make_module(m.config)
@@ -398,7 +476,5 @@ def test_nnx_zoo_gpt_constructs_sharded():
 def test_nnx_needs_example_inputs():
   with pytest.raises(TypeError, match="needs example_inputs"):
     tapas.shard(NnxMLP)
-  with pytest.raises(TypeError, match="example_inputs is for nnx"):
-    tapas.shard(MLP, example_inputs=(jnp.ones(3),))
   with pytest.raises(TypeError, match="apply to functions"):
     tapas.shard(MLP, donate_argnums=0)

@@ -213,46 +213,8 @@ def write_atomic(path: str, text: str) -> None:
     raise
 
 
-def save_plan(plan, path: str) -> None:
-  """Writes the plan to `path` atomically.
-
-  TODO(lead): the `plan.save` branch is the real format (being added on another branch);
-  until it lands this writes a JSON summary that `load_plan` cannot read back. Once
-  `Plan.save`/`Plan.load` are merged, drop `_plan_summary_json`.
-  """
-  if hasattr(plan, "save"):
-    tmp = os.path.join(os.path.dirname(path) or ".", f".tmp-{os.getpid()}-plan.json")
-    plan.save(tmp)
-    os.replace(tmp, path)
-  else:
-    write_atomic(path, _plan_summary_json(plan))
-
-
-def _plan_summary_json(plan) -> str:
-  """The plan as JSON: mesh, stats and every input's PartitionSpec by pytree path."""
-  import jax  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-  def spec_json(spec):
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-  specs = {}
-  for arg, tree in enumerate(plan.in_specs):
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, P))[0]
-    for key, spec in leaves:
-      specs[f"{arg}{jax.tree_util.keystr(key)}"] = spec_json(spec)
-  return json.dumps({
-      "format": "tapas_jax plan summary (not loadable: Plan.save pending)",
-      "name": plan.name, "device": plan.device, "mesh_axes": dict(plan.mesh_axes),
-      "fingerprint": plan.fingerprint, "stats": dataclasses.asdict(plan.stats),
-      "in_specs": specs}, indent=1)
-
-
 def load_plan(path: str):
   import tapas_jax as tapas  # noqa: PLC0415
-  if not hasattr(tapas.Plan, "load"):
-    raise LaunchError(f"--strategy=plan:{path}: this build of tapas_jax cannot load plans "
-                      "yet (Plan.load); use --strategy=tapas")
   try:
     return tapas.Plan.load(path)
   except (OSError, ValueError, KeyError, TypeError) as e:
@@ -359,8 +321,8 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
   import tapas_jax as tapas  # noqa: PLC0415
   from tapas_jax import baselines  # noqa: PLC0415
   try:
-    if settings.strategy == "plan":
-      return load_plan(settings.plan_path)
+    if settings.strategy == "plan":  # its flax/optax nodes come back as stand-ins
+      return load_plan(settings.plan_path).bind(state_spec, batch_spec)
     if settings.strategy == "tapas":
       return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
                           device=settings.device, memory_budget=settings.memory_budget,
@@ -495,34 +457,58 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
             f"{hbm / 2**30:.0f}GiB, a larger mesh or a smaller batch")
   if _COMPARE.value:
     compare(settings, plan, train_step, state_spec, batch_spec, mesh, out.say)
+  compiled = None
   if not _PLAN_ONLY.value:
     check_fits(plan, list(mesh.devices.flat), jax.process_index(), what)
+    compiled = compile_step(jax, plan, train_step, (state_spec, batch_spec), mesh, out)
   out.write("config.json", config_json)
   if out.lead and workdir:
-    save_plan(plan, os.path.join(workdir, "plan.json"))
+    plan.save(os.path.join(workdir, "plan.json"))  # atomic, as write_atomic
   out.write("plan.txt", plan.summary() + "\n")
   if _PLAN_ONLY.value:
     return 0
-  return fit(jax, settings, plan, mesh, (train_step, state_spec, batch_spec), out, ckpt_dir)
+  return fit(jax, settings, plan, mesh, (train_step, state_spec, batch_spec), compiled,
+             out, ckpt_dir)
 
 
-def fit(jax, settings: Settings, plan, mesh, program, out: Reporter,
+def shardings(jax, plan, mesh):
+  """The plan's `in_specs` as `NamedSharding`s on `mesh`."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.in_specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
+  """The train step compiled with the plan, from the argument shapes alone.
+
+  A plan of another program (a saved one, say) is refused here, before any state is
+  allocated or any file written.
+  """
+  import tapas_jax as tapas  # noqa: PLC0415
+  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          specs, shardings(jax, plan, mesh))
+  start = time.perf_counter()
+  try:
+    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
+    compiled = step.lower(*abstract).compile()
+  except ValueError as e:
+    raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
+  out.say(f"stage compile {time.perf_counter() - start:.2f}s")
+  return compiled
+
+
+def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
         ckpt_dir: str | None) -> int:
   """Initialises or restores the state with the plan's shardings, compiles and trains."""
   import numpy as np  # noqa: PLC0415
   import orbax.checkpoint as ocp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
-  import tapas_jax as tapas  # noqa: PLC0415
   from tapas_jax import cost  # noqa: PLC0415
   from tapas_jax.models import synthetic  # noqa: PLC0415
 
   train_step, state_spec, batch_spec = program
   model, config, workdir, device = settings.model, settings.config, settings.workdir, plan.device
-  to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-  is_spec = lambda x: isinstance(x, P)  # noqa: E731
-  state_sharding = jax.tree.map(to_sharding, plan.in_specs[0], is_leaf=is_spec)
-  batch_sharding = jax.tree.map(to_sharding, plan.in_specs[1], is_leaf=is_spec)
+  state_sharding, batch_sharding = shardings(jax, plan, mesh)
   make = synthetic.learnable_batch if config.data == "learnable" else \
       (lambda m, k, n: m.make_batch(k, n))
   make_batch = jax.jit(lambda k: make(model, k, settings.batch_size),
@@ -548,12 +534,7 @@ def fit(jax, settings: Settings, plan, mesh, program, out: Reporter,
     out.say(f"already at step {first} >= --steps={settings.steps}; nothing to do")
     return 0
 
-  step_fn = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
   batch = make_batch(jax.random.fold_in(seed_key, first))
-  start = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
-  out.say(f"stage compile {time.perf_counter() - start:.2f}s")
-
   items, unit = batch_items(batch_spec)
   flops = model_flops(jax, train_step, state_spec, batch_spec)
   dtype = str(getattr(model.config, "dtype", "float32"))

@@ -14,7 +14,11 @@ Usage:
 Configs are `ml_collections` files (`configs/<family>.py:<size>`, see configs/base.py),
 locked: override any field as `--config.model.num_layers=4`, `--config.learning_rate=1e-2`.
 
-The workdir gets `plan.json` and `plan.txt` (the plan and its summary), `config.json`,
+`--compare` prints the plan beside data parallel, FSDP and Megatron (predicted, and what
+XLA compiles of each); `--batch_axes=any` lets the search put the batch on any axis.
+
+The workdir gets `plan.json` (`tapas.Plan.load` reads it; `--strategy=plan:PATH` trains
+with it) and `plan.txt` (its summary), `config.json`,
 `metrics.jsonl` (one JSON object per step: step, loss, step_s, tokens_per_s or
 images_per_s, mfu) and orbax checkpoints under `checkpoints/`, restored with the plan's
 shardings: run again with more `--steps` to continue. On CPU the launcher makes

@@ -154,11 +154,15 @@ def search(fn, *args, mesh, device: str | None = None,
   start = time.perf_counter()
   solverlib.warn_unsplittable(prepared.problem)
   solverlib.warn_batch_unsplit(prepared.problem)
+  cache: dict = {}
   solution = solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
-                             memory_budget=memory_budget, time_limit=time_limit)
+                             memory_budget=memory_budget, time_limit=time_limit,
+                             table_cache=cache)
   search_s = prepared.prepare_s + time.perf_counter() - start
+  from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
   return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
-                           search_s=search_s, kwargs=kwargs)
+                           search_s=search_s, kwargs=kwargs,
+                           baselines=baselines.figures(prepared.problem, cache))
 
 
 def solver_name(name: str | None, fold: bool) -> str:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
+import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -108,6 +110,41 @@ class Constraint:
 
 
 @dataclasses.dataclass(frozen=True)
+class Decision:
+  """What the search chose for one kind of dimension, and why.
+
+  Attributes:
+    name: a name users know: the logical axis name the program gives it (flax
+      `with_logical_partitioning` / nnx `with_partitioning`), "batch", or else a
+      parameter path and dim ("params/Block_*/MLP/fc1/kernel[1]").
+    size: the dimension's size.
+    axes: mesh axes it is split over (() = not split).
+    why: the best single change and its price, everything else kept: "replicated:
+      over model +37.2 us/step (+1.5 MiB sent)".
+  """
+
+  name: str
+  size: int
+  axes: tuple[str, ...]
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineFigures:
+  """A baseline layout costed by the same model on the same program and mesh.
+
+  Attributes:
+    name: "data_parallel" or "fsdp" (see `tapas_jax.baselines`).
+    step_s, comm_bytes, memory_bytes: as `PlanStats`' predicted figures.
+  """
+
+  name: str
+  step_s: float
+  comm_bytes: float
+  memory_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """A sharding plan for one program on one mesh.
 
@@ -126,6 +163,9 @@ class Plan:
       searched with keyword arguments (`search(..., kwargs={...})`); else empty.
     input_types: (path, "float32[8,64]") of every argument leaf searched, so that a
       plan applied to another program says which input differs.
+    decisions: every kind of dimension with a choice: what was chosen and why.
+    baselines: expert layouts costed side by side (searched plans carry data
+      parallel and FSDP).
   """
 
   mesh_axes: Mapping[str, int]
@@ -139,6 +179,8 @@ class Plan:
   constraints: tuple[Constraint, ...] = ()
   kwargs_specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   input_types: tuple[tuple[str, str], ...] = ()
+  decisions: tuple[Decision, ...] = ()
+  baselines: tuple[BaselineFigures, ...] = ()
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -174,33 +216,105 @@ class Plan:
     from tapas_jax import plan_file  # noqa: PLC0415
     return plan_file.load(path)
 
-  def summary(self) -> str:
-    """Readable report: the cost, the split dimension classes, each layer's specs."""
+  def summary(self, width: int = 100) -> str:
+    """Readable report, lines at most `width` characters: the cost next to the
+    baselines, every kind of dimension with its axes and why, each layer's specs.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import tapas_jax as tapas
+      >>> plan = tapas.search(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+      ...                     jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+      ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32),
+      ...                     mesh={"data": 8}, device="h100")
+      >>> print(plan.summary())  # doctest: +ELLIPSIS
+      Plan 'tapas' on mesh data=8, profile h100
+      ...
+        layout               step ms    sent MiB/device    memory GiB/device
+        tapas                  0.626               0.00                0.438
+        data_parallel          ...
+    """
+    return "\n".join(_fit(line, width) for line in self._report_lines())
+
+  def _report_lines(self) -> list[str]:
     s = self.stats
-    lines = [
-        f"Plan {self.name!r} on mesh {dict(self.mesh_axes)} ({self.device}): predicted "
-        f"{s.predicted_step_s * 1e3:.3f} ms/step, "
-        f"{s.predicted_comm_bytes / 2**20:.2f} MiB sent/device, "
-        f"{s.predicted_memory_bytes / 2**30:.3f} GiB/device",
-        f"  {s.num_equations} equations, {s.num_layer_instances} layer instances of "
-        f"{s.num_unique_layers} unique layer(s); trace {s.trace_s:.2f}s, fold "
-        f"{s.fold_s:.2f}s, search {s.search_s:.2f}s"]
-    if self.class_axes:
-      lines.append("  split dimensions: " + ", ".join(
-          f"{ex or '?'} ({size}) -> {'x'.join(axes)}" for ex, size, axes in self.class_axes[:12])
-          + (" ..." if len(self.class_axes) > 12 else ""))
-    else:
-      lines.append("  nothing split: replicated")
+    mesh = " x ".join(f"{a}={n}" for a, n in self.mesh_axes.items())
+    lines = [f"Plan {self.name!r} on mesh {mesh}, profile {self.device}",
+             f"  {s.num_equations} equations; {s.num_layer_instances} layer instances of "
+             f"{s.num_unique_layers} unique; trace {s.trace_s:.2f} s, fold {s.fold_s:.2f} s, "
+             f"search {s.search_s:.2f} s; solver {s.solver_status}", ""]
+    lines.append(f"  {'layout':<16} {'step ms':>11} {'sent MiB/device':>18} "
+                 f"{'memory GiB/device':>20}")
+    for name, step, comm, mem in self._figures():
+      lines.append(f"  {name:<16} {step * 1e3:>11.3f} {comm / 2**20:>18.2f} "
+                   f"{mem / 2**30:>20.3f}")
+    lines += ["", f"  {'dimension':<38} {'size':>7}  {'axes':<10} why: best other choice, "
+              "its cost"]
+    split = [d for d in self.decisions if d.axes]
+    kept = [d for d in self.decisions if not d.axes]
+    for d in split + kept[:_REPLICATED_ROWS]:
+      lines.append(f"  {_fit(d.name, 38):<38} {d.size:>7}  {'x'.join(d.axes) or '-':<10} "
+                   f"{d.why}")
+    if len(kept) > _REPLICATED_ROWS:
+      lines.append(f"  ... {len(kept) - _REPLICATED_ROWS} more kinds of dimension left "
+                   "unsplit (plan.decisions has them all)")
+    if not self.decisions:
+      lines.append("  (no dimension can be split on this mesh)")
     for layer in self.layers:
       used = dict(layer.use_specs)
+      lines += ["", f"  layer {layer.name} x{layer.instances}: parameter, stored as"
+                + (" (used as)" if used else "")]
       # Gathered parameters first: where storage and use differ is the news.
       shown = sorted(layer.param_specs, key=lambda ps: ps[0] not in used)[:8]
-      specs = [f"{path}: {_spec_text(spec)}"
-               + (f" used as {_spec_text(used[path])}" if path in used else "")
-               for path, spec in shown]
-      more = f" ... {len(layer.param_specs) - 8} more" if len(layer.param_specs) > 8 else ""
-      lines.append(f"  {layer.name} x{layer.instances}: " + "; ".join(specs) + more)
-    return "\n".join(lines)
+      for path, spec in shown:
+        use = f" ({_spec_text(used[path])})" if path in used else ""
+        lines.append(f"    {_fit(path, 56):<56} {_spec_text(spec)}{use}")
+      if len(layer.param_specs) > 8:
+        lines.append(f"    ... {len(layer.param_specs) - 8} more")
+    return lines
+
+  def _figures(self) -> list[tuple[str, float, float, float]]:
+    s = self.stats
+    rows = [(self.name, s.predicted_step_s, s.predicted_comm_bytes, s.predicted_memory_bytes)]
+    return rows + [(b.name, b.step_s, b.comm_bytes, b.memory_bytes) for b in self.baselines]
+
+  def _repr_html_(self) -> str:
+    """The summary as HTML tables, for notebooks."""
+    esc = html.escape
+    s = self.stats
+    mesh = " &times; ".join(f"{esc(a)}={n}" for a, n in self.mesh_axes.items())
+    out = [f"<div><b>Plan {esc(self.name)}</b> on mesh {mesh}, profile {esc(self.device)}"
+           f"<br><small>{s.num_equations} equations; {s.num_layer_instances} layer "
+           f"instances of {s.num_unique_layers} unique; trace {s.trace_s:.2f} s, fold "
+           f"{s.fold_s:.2f} s, search {s.search_s:.2f} s</small>"]
+    out.append(_html_table(["layout", "step ms", "sent MiB/device", "memory GiB/device"],
+                           [(n, f"{t * 1e3:.3f}", f"{b / 2**20:.2f}", f"{m / 2**30:.3f}")
+                            for n, t, b, m in self._figures()]))
+    out.append(_html_table(["dimension", "size", "axes", "why"],
+                           [(d.name, d.size, "×".join(d.axes) or "-", d.why)
+                            for d in self.decisions]))
+    for layer in self.layers:
+      used = dict(layer.use_specs)
+      out.append(f"<b>{esc(layer.name)}</b> &times;{layer.instances}")
+      out.append(_html_table(["parameter", "stored as", "used as"],
+                             [(p, _spec_text(spec), _spec_text(used[p]) if p in used else "")
+                              for p, spec in layer.param_specs]))
+    return "".join(out) + "</div>"
+
+
+# The summary lists every split dimension, and this many of the widest unsplit ones.
+_REPLICATED_ROWS = 8
+
+
+def _fit(text: str, width: int) -> str:
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+  body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                 for row in rows)
+  return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _spec_text(spec: PartitionSpec) -> str:
@@ -210,13 +324,15 @@ def _spec_text(spec: PartitionSpec) -> str:
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
               search_s: float, name: str = "tapas",
               input_layouts: Mapping[int, costlib.Layout] | None = None,
-              kwargs: Mapping[str, Any] | None = None):
+              kwargs: Mapping[str, Any] | None = None,
+              baselines: Sequence[BaselineFigures] = ()):
   """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
 
   Args:
     input_layouts: inputs stored in a fixed layout rather than their classes' (the
       FSDP baseline); their specs come from here.
     kwargs: the keyword arguments traced (after `args`, in sorted name order).
+    baselines: expert layouts' figures to report next to this plan's.
   """
   g = problem.graph
   fixed = input_layouts or {}
@@ -274,12 +390,70 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       solver_status=solution.status,
   )
   return Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
-                      device=problem.profile.name, in_specs=tuple(in_specs),
-                      class_axes=class_axes, layers=tuple(layers), stats=stats,
-                      fingerprint=g.regions[0].fingerprint, name=name,
-                      constraints=_constraints(problem, solution, fixed),
-                      kwargs_specs=kwargs_specs,
-                      input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs))
+              device=problem.profile.name, in_specs=tuple(in_specs),
+              class_axes=class_axes, layers=tuple(layers), stats=stats,
+              fingerprint=g.regions[0].fingerprint, name=name,
+              constraints=_constraints(problem, solution, fixed),
+              kwargs_specs=kwargs_specs,
+              input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs),
+              decisions=decisions(problem, solution), baselines=tuple(baselines))
+
+
+def memory_bytes(problem: Problem, solution: Solution) -> float:
+  """Predicted per-device bytes of a solution: inputs plus live intermediates at the peak."""
+  return solution.state_bytes + _activation_peak(problem, solution)
+
+
+def decisions(problem: Problem, solution: Solution) -> tuple[Decision, ...]:
+  """One `Decision` per kind of dimension with a choice (copies of a layer alike):
+  split ones first, then the batch, widest first."""
+  names = _class_names(problem)
+  rows, seen = [], set()
+  order = sorted((c for c, dom in enumerate(problem.domains) if len(dom) > 1),
+                 key=lambda c: (not solution.choice.get(c), not problem.classes[c].batch,
+                                -problem.classes[c].size, c))
+  for c in order:
+    axes = tuple(solution.choice.get(c, ()))
+    name = names.get(c) or _generic(problem.classes[c].example) or f"class {c}"
+    if (name, axes) in seen:
+      continue
+    seen.add((name, axes))
+    rows.append(Decision(name=name, size=problem.classes[c].size, axes=axes,
+                         why=_why(axes, solution.reasons.get(c))))
+  return tuple(rows)
+
+
+def _class_names(problem: Problem) -> dict[int, str]:
+  """Names the program gives classes: logical axis names of parameter dims, "batch"."""
+  g, out = problem.graph, {}
+  for i in g.inputs:
+    for d, name in enumerate(i.logical_axes):
+      if name:
+        for c in {problem.vclass(i.value, d), problem.read_class(i.value, d)}:
+          out.setdefault(c, name)
+  for c in problem.classes:
+    if c.batch:
+      out.setdefault(c.index, "batch")
+  return out
+
+
+def _why(axes: tuple[str, ...], reason) -> str:
+  """The best other choice, everything else kept, and what it would add."""
+  if reason is None:
+    return ""
+  other = f"over {'x'.join(reason.alternative)}" if reason.alternative else "unsplit"
+  if not math.isfinite(reason.delta_s):
+    return "any other axes clash with dims it meets (an op split twice on one axis)"
+  if reason.delta_s <= 0:
+    return f"tie with {other}"
+  return (f"{other}: {_duration(reason.delta_s)}/step, "
+          f"{reason.delta_comm_bytes / 2**20:+.2f} MiB")
+
+
+def _duration(seconds: float) -> str:
+  if abs(seconds) >= 1e-3:
+    return f"+{seconds * 1e3:.3f} ms"
+  return f"+{seconds * 1e6:.1f} µs"
 
 
 def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):

@@ -221,6 +221,13 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
       "constraints": [{"site": list(c.site), "slot": c.slot,
                        "spec": _spec_json(c.spec, f"constraints[{j}]")}
                       for j, c in enumerate(plan.constraints)],
+      "decisions": [{"name": d.name, "size": d.size, "axes": list(d.axes), "why": d.why}
+                    for d in plan.decisions],
+      # A baseline that cannot run (an op split twice) costs inf: JSON null.
+      "baselines": [{"name": b.name, **{k: (v if math.isfinite(v) else None) for k, v in
+                                        (("step_s", b.step_s), ("comm_bytes", b.comm_bytes),
+                                         ("memory_bytes", b.memory_bytes))}}
+                    for b in plan.baselines],
   }
 
 
@@ -380,7 +387,8 @@ def _jsonable(value: Any) -> bool:
 
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
-        "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints"}
+        "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
+        "decisions", "baselines"}
 
 
 def from_json(data: Any, source: str = "plan") -> planlib.Plan:
@@ -464,12 +472,32 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
     constraints.append(planlib.Constraint(
         site=tuple(site), slot=r.integer(r.field(c, "slot", f"{where}.slot"), f"{where}.slot"),
         spec=r.spec(r.field(c, "spec", f"{where}.spec"), f"{where}.spec")))
+  decisions = []
+  for j, d in enumerate(r.array(data.get("decisions", []), "decisions")):  # a report:
+    where = f"decisions[{j}]"                                          # optional
+    r.mapping(d, where, {"name", "size", "axes", "why"})
+    decisions.append(planlib.Decision(
+        name=r.string(r.field(d, "name", f"{where}.name"), f"{where}.name"),
+        size=r.integer(r.field(d, "size", f"{where}.size"), f"{where}.size", low=1),
+        axes=tuple(r.axis(a, f"{where}.axes[{i}]") for i, a in
+                   enumerate(r.array(r.field(d, "axes", f"{where}.axes"), f"{where}.axes"))),
+        why=r.string(r.field(d, "why", f"{where}.why"), f"{where}.why")))
+  baselines = []
+  for j, b in enumerate(r.array(data.get("baselines", []), "baselines")):
+    where = f"baselines[{j}]"
+    r.mapping(b, where, {"name", "step_s", "comm_bytes", "memory_bytes"})
+    figures = {k: math.inf if r.field(b, k, f"{where}.{k}") is None
+               else float(r.number(b[k], f"{where}.{k}"))
+               for k in ("step_s", "comm_bytes", "memory_bytes")}
+    baselines.append(planlib.BaselineFigures(
+        name=r.string(r.field(b, "name", f"{where}.name"), f"{where}.name"), **figures))
   return planlib.Plan(
       mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
       in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
       stats=planlib.PlanStats(**values), fingerprint=fingerprint,
       name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
-      kwargs_specs=kwargs_specs, input_types=tuple(input_types))
+      kwargs_specs=kwargs_specs, input_types=tuple(input_types),
+      decisions=tuple(decisions), baselines=tuple(baselines))
 
 
 def _open_at_end(text: str) -> bool:

@@ -77,11 +77,15 @@ class GraphInput:
     value: the value id it binds.
     path: pytree key path, e.g. "params/Block_3/MLP/fc1/kernel".
     arg: index of the positional argument it belongs to.
+    logical_axes: per dim, the logical axis name the program gives it (flax's
+      `nn.with_logical_partitioning` / `nnx.with_partitioning` boxes: "embed", "mlp",
+      ...; None where unnamed); empty when the leaf is not in such a box.
   """
 
   value: int
   path: str
   arg: int
+  logical_axes: tuple[str | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +279,34 @@ def abstract_args(args: Sequence[Any], names: Sequence[str] = ()
       paths.append((i, p))
     abstract.append(jax.tree_util.tree_unflatten(treedef, leaves))
   return tuple(abstract), paths
+
+
+def _axis_names(box: Any) -> tuple[str | None, ...] | None:
+  """The per-dim axis names of a metadata box (flax linen `Partitioned`: `names`; an
+  nnx `Variable`: `out_sharding` or `sharding_names` metadata), found by duck typing so
+  no flax import is needed."""
+  names = getattr(box, "names", None)
+  if names is None and callable(getattr(box, "get_metadata", None)):
+    meta = box.get_metadata()
+    names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding")
+                  if isinstance(meta.get(k), tuple)), None)
+  if not isinstance(names, tuple) or not names:
+    return None
+  if not all(n is None or isinstance(n, str) for n in names):
+    return None
+  return names
+
+
+def logical_axes(args: Sequence[Any]) -> list[tuple[str | None, ...]]:
+  """Per argument leaf (in `abstract_args` order), the logical axis names of its dims."""
+  out = []
+  for arg in args:
+    boxed = jax.tree_util.tree_leaves(arg, is_leaf=lambda x: _axis_names(x) is not None)
+    for node in boxed:
+      names = _axis_names(node)
+      inner = len(jax.tree_util.tree_leaves(node)) if names is not None else 1
+      out += [names or ()] * inner
+  return out
 
 
 def flat_call(fn: Callable[..., Any], num_positional: int, names: Sequence[str]
@@ -539,10 +571,14 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
   body, consts = jx.open_jaxpr(closed)
   env: dict = {}
   inputs = []
-  for var, (arg, path) in zip(body.invars, paths):
+  axis_names = logical_axes(args)
+  if len(axis_names) != len(paths):  # a box flattened unlike its leaves: names unknown
+    axis_names = [()] * len(paths)
+  for var, (arg, path), axes in zip(body.invars, paths, axis_names):
     v = walker.new_value(var)
     env[var] = v
-    inputs.append(GraphInput(value=v, path=path, arg=arg))
+    axes = axes if len(axes) == len(jx.aval_of(var)[0]) else ()
+    inputs.append(GraphInput(value=v, path=path, arg=arg, logical_axes=axes))
   walker._bind_consts(body, consts, env)
   walker.walk(body, env, region=0, stack="", site=())
   outputs = tuple(walker.read(env, a) for a in body.outvars)

@@ -29,8 +29,13 @@ def test_public_api_is_pinned():
 
 
 def test_stage_functions_are_importable_from_their_modules():
-  assert callable(tapas_jax.trace.trace) and callable(tapas_jax.fold.fold)
-  assert tapas.trace.trace is tapas_jax.trace.trace and tapas.fold.fold is tapas_jax.fold.fold
+  trace, fold = tapas_jax.trace.trace, tapas_jax.fold.fold
+  graph = trace(lambda x: jnp.sum(x * 2), jax.ShapeDtypeStruct((4, 4), jnp.float32))
+  folded = fold(graph)
+  assert isinstance(graph, tapas.Graph) and isinstance(folded, tapas.Folded)
+  assert [op.primitive for op in graph.ops] == ["mul", "reduce_sum"]
+  assert folded.graph is graph
+  assert tapas.trace.trace is trace and tapas.fold.fold is fold
 
 
 def _python(code: str) -> str:

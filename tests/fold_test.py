@@ -80,7 +80,15 @@ def test_instance_holds_forward_backward_and_optimizer_ops():
 def test_unique_layers_do_not_grow_with_depth(layers):
   f = fold(train_graph("gpt", num_layers=layers))
   assert layer_shape(f) == [(layers, layers)]
-  assert f.fold_ratio > 0.6 * layers  # glue keeps it under `layers`
+  # Every top-level op is glue or in exactly one instance: the search looks at the
+  # glue and one instance, so the ratio is (glue + L * layer) / (glue + layer).
+  (unique,) = f.unique_layers
+  glue = [i for seg in f.glue for i in seg.ops]
+  in_layers = [i for inst in f.instances for i in inst.ops]
+  assert sorted(glue + in_layers) == sorted(op.index for op in f.graph.region_ops(0))
+  assert all(len(inst.ops) == unique.num_ops for inst in f.instances)
+  assert f.fold_ratio == pytest.approx(
+      (len(glue) + layers * unique.num_ops) / (len(glue) + unique.num_ops), rel=1e-12)
 
 
 @pytest.mark.parametrize("name,overrides", [

@@ -28,7 +28,7 @@ import tapas_jax as tapas
 from tapas_jax import api, models, solver
 from tapas_jax.solver.budget import fit_budget
 from tapas_jax.solver.eliminate import eliminate
-from tapas_jax.solver.ilp import solve_ilp
+from tapas_jax.solver.ilp import IlpResult, solve_ilp
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
 # HiGHS stops once its incumbent is within this relative gap of its bound (scipy's
@@ -141,12 +141,13 @@ class BudgetCase:
   fit: solver.BudgetResult
   fit_time: float
   fit_mem: float    # brute-force memory of the bisection's plan
-  ilp: object
+  ilp: IlpResult
   ilp_time: float
   ilp_mem: float
   budget: float
 
 
+@functools.lru_cache(maxsize=None)
 def budget_case(seed):
   factors, memory, domain_size, budget = random_budget_instance(seed)
   time = brute_force(factors, domain_size)
@@ -198,7 +199,27 @@ def test_lagrange_bisection_fits_or_says_why(seed):
   # the plan minimises time + w * memory, so for the optimum x*,
   # time(fit) - time(x*) <= w * (memory(x*) - memory(fit)) <= w * (budget - used).
   assert case.fit_time >= case.opt * (1 - 1e-12)
+  assert case.ilp_time <= case.fit_time * (1 + MIP_REL_GAP)
   assert case.fit_time - case.opt <= fit.weight * (case.budget - fit.used_bytes) + 1e-9
+
+
+def test_budget_instances_cover_every_regime():
+  """The seeds above hold infeasible budgets, binding ones, and a Lagrange gap (a plan
+  within the budget no weight reaches). Measured on seeds 0-999 (before `repair`, which
+  needs a traced problem): 61 of 825 feasible instances have a gap; among those the
+  median is 3%, the 90th percentile 11%, the largest 29%. Nothing bounds it a priori
+  beyond the certificate above, so no bound is asserted."""
+  cases = [budget_case(seed) for seed in BUDGET_SEEDS]
+  feasible = [c for c in cases if math.isfinite(c.opt)]
+  assert len(feasible) < len(cases)
+  assert any(c.opt > min_time(seed) * (1 + 1e-9)  # the budget binds
+             for seed, c in zip(BUDGET_SEEDS, cases) if math.isfinite(c.opt))
+  assert any(c.fit_time > c.opt * (1 + 1e-9) for c in feasible)
+
+
+def min_time(seed):
+  factors, _, domain_size, _ = random_budget_instance(seed)
+  return float(brute_force(factors, domain_size).min())
 
 
 # -- solve() end to end on a traced program -------------------------------------------
@@ -322,11 +343,12 @@ def golden_diff(want, got):
       lines.append(f"spec {path}: {old.get(path, 'absent')} -> {new.get(path, 'absent')}")
   old_axes = [tuple(map(str, row)) for row in want.get("class_axes", [])]
   new_axes = [tuple(map(str, row)) for row in got["class_axes"]]
-  if old_axes != new_axes:
+  # Rows of equal class size come in the solver's dict order, which means nothing.
+  if sorted(old_axes) != sorted(new_axes):
     lines += [f"class_axes lost: {row}" for row in old_axes if row not in new_axes]
     lines += [f"class_axes new: {row}" for row in new_axes if row not in old_axes]
     if set(old_axes) == set(new_axes):
-      lines.append("class_axes: same rows, another order")
+      lines.append("class_axes: the same rows, a different number of times")
   return lines
 
 

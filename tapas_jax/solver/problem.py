@@ -42,7 +42,7 @@ from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["MODEL_AXIS_NAMES", "DimClass", "Problem", "batch_inputs", "build_problem",
-           "default_batch_axes", "update_ops", "warn_batch_unsplit"]
+           "default_batch_axes", "update_ops", "warn_batch_unsplit", "with_batch_axes"]
 
 # Mesh axis names that say an axis carries the model, not the batch: tensor, expert,
 # sequence and pipeline parallelism (MaxText, Megatron, praxis and t5x spellings). Every
@@ -167,6 +167,14 @@ def default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
   """The mesh axes that may split the batch unless the user says otherwise: every axis
   whose name does not say it carries the model (`MODEL_AXIS_NAMES`)."""
   return tuple(a for a in mesh.axis_names if a.lower() not in MODEL_AXIS_NAMES)
+
+
+def with_batch_axes(problem: Problem, batch_axes: Sequence[str] | None) -> Problem:
+  """The same problem with the batch classes allowed on other mesh axes (None: any)."""
+  domains = tuple(_domain(c.size if c.splittable else 1, problem.mesh, batch_axes, True)
+                  if c.batch else problem.domains[c.index] for c in problem.classes)
+  allowed = tuple(problem.mesh.axis_names) if batch_axes is None else tuple(batch_axes)
+  return dataclasses.replace(problem, domains=domains, batch_axes=allowed)
 
 
 def warn_batch_unsplit(problem: Problem) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 from tapas_jax import cost as costlib
 from tapas_jax.solver.budget import (BudgetResult, budget_error, fit_budget, repair,
                                      within_budget)
+from tapas_jax.solver.explain import Reason, reasons
 from tapas_jax.solver.eliminate import (TooEntangled, eliminate, reduced_domains, restrict,
                                         take)
 from tapas_jax.solver.ilp import solve_ilp
@@ -58,6 +59,7 @@ class Solution:
     solve_s: seconds spent.
     memory_weight: final Lagrange weight on state bytes (0 without a budget).
     status: "optimal", or "time_limit" when the integer program stopped early.
+    reasons: class id -> its best single alternative, priced (`explain.reasons`).
   """
 
   choice: Mapping[int, tuple[str, ...]]
@@ -68,10 +70,12 @@ class Solution:
   solve_s: float
   memory_weight: float
   status: str = "optimal"
+  reasons: Mapping[int, Reason] = dataclasses.field(default_factory=dict)
 
 
 def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
-          memory_budget: float | None = None, time_limit: float | None = None) -> Solution:
+          memory_budget: float | None = None, time_limit: float | None = None,
+          table_cache: dict | None = None) -> Solution:
   """Minimises predicted step time over class-to-axes choices, exactly.
 
   Args:
@@ -86,6 +90,8 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
       unconstrained.
     time_limit: seconds for the integer program; `Solution.status` says
       "time_limit" when it stopped early.
+    table_cache: cost tables already built for this problem (shared with `evaluate`
+      so that costing baselines next to the plan rebuilds nothing); with `reuse`.
 
   Raises:
     InfeasibleBudgetError: no choice meets the budget.
@@ -94,7 +100,7 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   if solver not in SOLVERS:
     raise ValueError(f"solver={solver!r} is not one of {SOLVERS}")
   start = time.perf_counter()
-  builder = TableBuilder(problem, reuse=reuse)
+  builder = TableBuilder(problem, reuse=reuse, cache=table_cache)
   tables = all_tables(problem, builder)
   objective = _Objective(problem, tables, memory_tables(problem))
   acts = activations(problem) if memory_budget is not None else None
@@ -112,7 +118,8 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   choice = {c: problem.domains[c][i] for c, i in assignment.items() if problem.domains[c][i]}
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   tables_built=builder.built, solve_s=time.perf_counter() - start,
-                  memory_weight=result.weight, status=result.status)
+                  memory_weight=result.weight, status=result.status,
+                  reasons=reasons(problem, tables, assignment))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +196,14 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
 
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
-             input_layouts: Mapping[int, costlib.Layout] | None = None) -> Solution:
+             input_layouts: Mapping[int, costlib.Layout] | None = None,
+             table_cache: dict | None = None) -> Solution:
   """Predicted cost of a given class choice (and optional fixed input layouts).
 
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
   """
   start = time.perf_counter()
-  builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts)
+  builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(problem, builder)
   index = {}
   for c, axes in choice.items():
@@ -208,7 +216,7 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
   state = evaluate_tables(memory_tables(problem, input_layouts), index)[0]
   return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
                   tables_built=builder.built, solve_s=time.perf_counter() - start,
-                  memory_weight=0.0)
+                  memory_weight=0.0, reasons=reasons(problem, tables, index))
 
 
 def warn_unsplittable(problem: Problem) -> None:

@@ -53,14 +53,19 @@ class Table:
 
 
 class TableBuilder:
-  """Builds per-op cost tables; with `reuse`, structurally equal ops share one build."""
+  """Builds per-op cost tables; with `reuse`, structurally equal ops share one build.
+
+  A table's cache key holds everything it is computed from (fixed input layouts
+  included), so one `cache` may serve several builders of the same problem.
+  """
 
   def __init__(self, problem: Problem, reuse: bool,
-               input_layouts: Mapping[int, costlib.Layout] | None = None):
+               input_layouts: Mapping[int, costlib.Layout] | None = None,
+               cache: dict | None = None):
     self.p = problem
     self.reuse = reuse
     self.fixed = dict(input_layouts or {})
-    self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {} if cache is None else cache
     self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
     g = problem.graph

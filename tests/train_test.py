@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import tapas_jax as tapas
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 TINY = os.path.join(ROOT, "configs", "gpt2.py") + ":tiny"
@@ -92,9 +94,9 @@ def test_plan_only_needs_no_devices(tmp_path):
   assert [line.split()[0] for line in table[2:6]] == ["tapas", "data_parallel", "fsdp",
                                                       "megatron"]
   assert sorted(os.listdir(tmp_path)) == ["config.json", "plan.json", "plan.txt"]
-  plan = json.loads((tmp_path / "plan.json").read_text())
-  assert "tpu-v5e" in json.dumps(plan) and "model" in json.dumps(plan)
-  assert "'model': 8" in (tmp_path / "plan.txt").read_text()
+  plan = tapas.Plan.load(tmp_path / "plan.json")
+  assert dict(plan.mesh_axes) == {"data": 4, "model": 8} and plan.device == "tpu-v5e"
+  assert (tmp_path / "plan.txt").read_text().strip() == plan.summary().strip()
 
 
 def _bad_plan(tmp_path):

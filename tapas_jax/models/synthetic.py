@@ -64,7 +64,7 @@ def learnable_batch(model: ZooModel, rng: jax.Array, batch_size: int,
   keys = set(spec)
   if keys == {"images", "labels"}:
     images, labels = spec["images"], spec["labels"]
-    num_classes = int(getattr(model.config, "num_classes"))
+    num_classes = int(model.config.num_classes)
     protos = jax.random.normal(jax.random.key(_PATTERN_KEY),
                                (num_classes, *images.shape[1:]), images.dtype)
     label_rng, noise_rng = jax.random.split(rng)

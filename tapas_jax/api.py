@@ -110,10 +110,10 @@ def search(fn, *args, mesh, device: str | None = None,
       store parameters and optimizer state split over axes their compute does not use
       (ZeRO) before they split the compute itself.
     batch_axes: mesh axes that may split the batch: one axis name ("data") or a
-      sequence of them; default: every axis whose name does not say it carries the
-      model (model, tp, expert, seq, pipe, ...: see `solver.problem.MODEL_AXIS_NAMES`);
-      None: any axis. The batch is found by dataflow: dim 0 of every input that is not
-      state carried to the next step.
+      sequence of them; default (and None): every axis, so data parallelism and FSDP
+      over the whole mesh are in the search's space whatever the axes are called. The
+      batch is found by dataflow: dim 0 of every input that is not state carried to
+      the next step.
     fold: search each unique layer once (True: the folded view, and each cost table
       built once per unique layer) or every op on its own (False).
     solver: "elimination" (exact variable elimination) or "ilp" (one integer program

@@ -112,7 +112,7 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     device: device profile name.
     family: zoo family name (needed by "megatron").
     batch_axes: axes Megatron puts the batch on (default: the axes whose names do not
-      say they carry the model, `solver.problem.MODEL_AXIS_NAMES`);
+      say they are meant for the model, `solver.problem.data_axes`);
       data parallel and FSDP always use every axis.
     links: mesh axis -> "intra"/"inter".
     kwargs: the step's keyword arguments, as for `tapas_jax.search`.
@@ -135,7 +135,7 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   layouts = None
   if name == "megatron":
     if batch_axes is None or isinstance(batch_axes, str):
-      batch_axes = solver.default_batch_axes(mesh_spec)
+      batch_axes = solver.problem.data_axes(mesh_spec)
     choice = _megatron_choice(problem, family or "", tuple(batch_axes))
   else:
     choice = {c: a for c, a in _batch_choice(problem, every).items() if a}

@@ -145,7 +145,7 @@ def memory_bytes(value: Any, where: str = "search", name: str = "memory_budget"
 def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
                ) -> tuple[str, ...] | None | str:
   """One axis name, a sequence of them (each a mesh axis), None (any axis), or
-  `DEFAULT` (every axis whose name does not say it carries the model).
+  `DEFAULT` (every axis: `solver.problem.default_batch_axes`).
 
   A single string is one axis, never read letter by letter.
   """

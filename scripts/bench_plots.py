@@ -83,6 +83,7 @@ def fold_vs_unfolded(rows: Sequence[Mapping]):
   obj_ax.set_ylabel("predicted ms/step")
   for ax in (time_ax, obj_ax):
     ax.set_xlabel("layers")
+    ax.set_xticks(layers)
     ax.legend(fontsize=8)
   fig.suptitle("folded vs unfolded search", fontsize=10)
   fig.tight_layout()
@@ -95,6 +96,7 @@ def flatness(times: Mapping[int, float]):
   layers = sorted(times)
   ax.plot(layers, [times[n] for n in layers], "o-")
   ax.set_ylim(0, 1.2 * max(times.values()))
+  ax.set_xticks(layers)
   ax.set_xlabel("layers")
   ax.set_ylabel("search seconds (best of 3)")
   ax.set_title("folded search time vs depth")

@@ -51,7 +51,7 @@ from typing import Any
 
 from tapas_jax import cost
 
-__all__ = ["OpRule", "RULES", "Shape", "default_rule", "register", "rule_for", "rule_of"]
+__all__ = ["ELEMENTWISE", "IDENTITY", "OpRule", "RULES", "Shape", "default_rule", "register", "rule_for", "rule_of"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -288,6 +288,8 @@ _ELEMENTWISE = (
 # Same maps, but pure data movement (no FLOPs).
 _IDENTITY = ("copy", "copy_p", "stop_gradient", "optimization_barrier", "device_put",
              "sharding_constraint", "pvary")
+# Public names: the memory model fuses these into their readers as XLA does.
+ELEMENTWISE, IDENTITY = _ELEMENTWISE, _IDENTITY
 
 
 @register(*_ELEMENTWISE)

@@ -34,7 +34,8 @@ flags.DEFINE_integer("steps", None, "Train steps.")
 flags.DEFINE_integer("batch_size", None, "Global batch size.")
 flags.DEFINE_bool("plan", True, "Search a tapas plan (else data parallel).")
 flags.DEFINE_float("memory_budget_gib", None, "Per-device memory the plan may take (inputs "
-                   "and live activations), GiB; default unlimited.")
+                   "and live activations), GiB; default: the device profile's memory less 10%; "
+                   "inf: unlimited.")
 flags.DEFINE_string("device", None, "Cost profile (tpu-v5e, h100, cpu, ...); default local.")
 flags.DEFINE_integer("host_devices", 8,
                      "On CPU: fake devices (XLA_FLAGS) when no accelerator is present.")

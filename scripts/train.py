@@ -63,8 +63,7 @@ _MEMORY_BUDGET = flags.DEFINE_string("memory_budget", None, "Per-device memory t
 _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, megatron "
                                 "(expert baselines), or plan:PATH (a saved plan).")
 _BATCH_AXES = flags.DEFINE_string("batch_axes", None, "Mesh axes the search may split the "
-                                  "batch over, comma-separated, or 'any'; default: the axes "
-                                  "named data, batch, fsdp or replica.")
+                                  "batch over, comma-separated, or 'any'; default: every axis.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")

@@ -80,7 +80,7 @@ def test_xla_follows_a_plan_that_stores_parameters_apart_from_their_use():
   step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(8)
   free = tapas.search(step, state, batch, mesh=MESH, device="h100")
   plan = tapas.search(step, state, batch, mesh=MESH, device="h100",
-                      memory_budget=0.3 * free.stats.predicted_memory_bytes)
+                      memory_budget=0.31 * free.stats.predicted_memory_bytes)
   assert any(layer.use_specs for layer in plan.layers)
   applied = _compiled(plan, step, state, batch, constrained=True)
   bare = _compiled(plan, step, state, batch, constrained=False)

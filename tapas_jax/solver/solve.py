@@ -176,23 +176,28 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
 
 def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
             ) -> BudgetResult:
-  """The integer program, re-posed at the activation peak under a budget."""
+  """The integer program, with a budget row at every activation peak it has met."""
   sizes = objective.domain_size
   factors = objective.factors()
 
-  def ilp(memory, limit) -> BudgetResult:
-    rows = [(tuple(c for c in t.scope if c in sizes), restrict(t.scope, t.value, sizes))
-            for t in memory]
+  def ilp(rows, limit) -> BudgetResult:
+    rows = [[(tuple(c for c in t.scope if c in sizes), restrict(t.scope, t.value, sizes))
+             for t in memory] for memory in rows]
     out = solve_ilp(factors, sizes, rows, limit, time_limit)
     return BudgetResult(out.assignment, fits=out.assignment is not None, status=out.status)
 
-  first = ilp(objective.memory, None)
+  first = ilp([objective.memory], None)
   if first.assignment is None:  # no budget row: only "infeasible" can get here
     return dataclasses.replace(first, fits=False)
   if acts is None:
     return first
-  return within_budget(problem, acts, first, objective.memory, budget,
-                       lambda memory: ilp(memory, budget))
+  posed: list[list[Table]] = []
+
+  def within(memory):
+    posed.append(memory)
+    return ilp(posed, budget)
+
+  return within_budget(problem, acts, first, objective.memory, budget, within)
 
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],

@@ -160,10 +160,10 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
       result = BudgetResult(run([], 0.0), fits=True, status=status)
       if acts is None:
         return result
-      result = within_budget(
+      result = within_budget(  # the Lagrange weight on the newest peak's tables
           problem, acts, result, objective.memory, budget,
-          lambda memory, run=run, status=status: dataclasses.replace(
-              fit_budget(lambda w: run(memory, w), memory, budget), status=status))
+          lambda posed, run=run, status=status: dataclasses.replace(
+              fit_budget(lambda w: run(posed[-1], w), posed[-1], budget), status=status))
       if not result.fits:
         return result
       return dataclasses.replace(result, assignment=repair(
@@ -191,13 +191,9 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
     return dataclasses.replace(first, fits=False)
   if acts is None:
     return first
-  posed: list[list[Table]] = []
-
-  def within(memory):
-    posed.append(memory)
-    return ilp(posed, budget)
-
-  return within_budget(problem, acts, first, objective.memory, budget, within)
+  # A hard row per peak posed so far: the plan must fit at every one of them.
+  return within_budget(problem, acts, first, objective.memory, budget,
+                       lambda posed: ilp(posed, budget))
 
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],

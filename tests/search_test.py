@@ -230,19 +230,18 @@ def test_rediscovers_megatron_on_gpt_or_what_the_compiler_confirms_cheaper():
     block = f"params/Block_{k}"
     assert _use_spec(plan, f"{block}/MLP/fc1/kernel") == PartitionSpec(None, "model")
     assert _use_spec(plan, f"{block}/MLP/fc2/kernel") == PartitionSpec("model", None)
-    assert _use_spec(plan, f"{block}/Attention/query/kernel") in (
-        PartitionSpec(None, "model", None), PartitionSpec(None, None, None))
+    # Heads split too since compute is a roofline: the attention's memory-bound ops
+    # (softmax, masks) cost HBM time that the split divides.
+    assert _use_spec(plan, f"{block}/Attention/query/kernel") == \
+        PartitionSpec(None, "model", None)
   assert plan.in_specs[1]["inputs"] == PartitionSpec("data", None)
   megatron = baselines.baseline("megatron", *args, mesh=MESHES["2d"], device="h100",
                                 family="gpt")
   assert plan.stats.predicted_step_s <= megatron.stats.predicted_step_s * (1 + 1e-9)
-  # What XLA sends matches the prediction, and where the plan leaves Megatron's
-  # layout the compiled program sends less than Megatron's.
+  # What XLA sends matches the prediction, and is no more than Megatron's.
   sent = _compiled_comm_bytes(plan, *args)
   assert sent == pytest.approx(plan.stats.predicted_comm_bytes, rel=0.05)
-  if _use_spec(plan, "params/Block_0/Attention/query/kernel") != \
-      PartitionSpec(None, "model", None):
-    assert sent < _compiled_comm_bytes(megatron, *args)
+  assert sent <= 1.05 * _compiled_comm_bytes(megatron, *args)
 
 
 def _gpt2_small_plan(num_layers, scan_layers):

@@ -9,7 +9,7 @@ intermediates live at the activation peak (outputs that replace donated state ta
 state's buffers; other outputs live to the end).
 
   python scripts/bench_memory.py                      # tiny configs, search + baselines
-  python scripts/bench_memory.py --models gpt,llama --config small --batch 8
+  python scripts/bench_memory.py --models gpt --config gpt2-small --set num_layers=2
 """
 
 import argparse
@@ -51,15 +51,19 @@ def main():
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--plans", default="search," + ",".join(baselines.BASELINES))
   parser.add_argument("--device", default="h100")
+  parser.add_argument("--set", action="append", default=[],
+                      help="config field override, e.g. num_layers=2 (integers)")
   args = parser.parse_args()
+  overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
   mesh = tapas.make_mesh(MESH)
-  print(f"## Predicted vs compiled memory: zoo at config {args.config!r}, batch "
+  print(f"## Predicted vs compiled memory: zoo at config {args.config!r} {overrides or ''}, "
+        f"batch "
         f"{args.batch}, mesh {MESH}, {args.device} profile, state donated, jax "
         f"{jax.__version__}")
   print(f"{'model':<10} {'plan':<14} {'pred MiB':>9} {'XLA MiB':>9} {'pred/XLA':>8} "
         f"{'args MiB':>9} {'temp MiB':>9} {'out-alias':>9} {'s':>5}")
   for family in args.models.split(","):
-    m = models.get_model(family, args.config)
+    m = models.get_model(family, args.config, **overrides)
     step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(args.batch)
     kinds = args.plans.split(",")
     for kind, plan in plans_for(family, step, state, batch, kinds, args.device).items():

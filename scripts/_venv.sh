@@ -6,7 +6,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import tapas_jax, pytest" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
+if ! .venv/bin/python -c "import tapas_jax, pytest, ml_collections, orbax.checkpoint" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'
 fi

@@ -6,6 +6,8 @@ Search time excludes trace and fold (both printed where asked).
   python scripts/bench_search.py                 # everything (several minutes)
   python scripts/bench_search.py --only=fold     # one section: fold, flat, 175b,
                                                  # rediscover, memory
+  python scripts/bench_search.py --plot_dir=figures   # also a PNG per section
+  python scripts/bench_search.py --quick --only=flat  # tiny widths: a smoke run
 """
 
 import argparse
@@ -24,9 +26,19 @@ from tapas_jax.trace import trace  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
 
+# Model sizes per section; `--quick` swaps in tiny ones (a smoke run of the script and
+# its plots, not figures to quote).
+FULL = dict(width="gpt2-small", fold_layers=(2, 4, 8, 12, 24, 48),
+            flat_layers=(12, 24, 48, 96), rediscover=(("gpt", "gpt2-small"),
+                                                      ("llama", "llama3-8b")),
+            memory_layers=4, quick=False)
+QUICK = dict(width="tiny", fold_layers=(2, 4), flat_layers=(2, 4, 8),
+             rediscover=(("gpt", "tiny"), ("llama", "tiny")), memory_layers=2, quick=True)
+SIZES = dict(FULL)
 
-def gpt(layers, config="gpt2-small"):
-  m = models.get_model("gpt", config, num_layers=layers)
+
+def gpt(layers, config=None):
+  m = models.get_model("gpt", config or SIZES["width"], num_layers=layers)
   return m.train_step(), m.abstract_state(), m.batch_spec(8)
 
 
@@ -43,11 +55,13 @@ def timed_solve(graph, folded, view_fold, solver_fold, time_limit=None, device="
 
 
 def section_fold(time_limit):
-  print("\n## Folded vs unfolded (GPT-2 small width, train step, mesh data=2 x model=4, h100)")
+  print(f"\n## Folded vs unfolded ({SIZES['width']} width, train step, mesh data=2 x model=4, "
+        "h100)")
   print(f"{'layers':>6} {'eqns':>7} {'folded obj ms':>14} {'folded s':>9} "
         f"{'unfolded obj ms':>16} {'unfolded s':>11} {'status':>10} {'obj diff':>9} "
         f"{'speedup':>8}")
-  for layers in (2, 4, 8, 12, 24, 48):
+  rows = []
+  for layers in SIZES["fold_layers"]:
     graph = trace(*gpt(layers))
     folded = fold(graph)
     a, ta = timed_solve(graph, folded, True, True)
@@ -56,18 +70,23 @@ def section_fold(time_limit):
     print(f"{layers:>6} {len(graph.ops):>7} {a.step_s * 1e3:>14.4f} {ta:>9.3f} "
           f"{b.step_s * 1e3:>16.4f} {tb:>11.2f} {b.status:>10} {diff:>+9.2%} "
           f"{tb / ta:>7.0f}x", flush=True)
+    rows.append(dict(layers=layers, folded_s=ta, unfolded_s=tb, folded_ms=a.step_s * 1e3,
+                     unfolded_ms=b.step_s * 1e3))
+  return rows
 
 
 def section_flat():
-  print("\n## Flatness: folded search time vs depth (GPT-2 small width, h100)")
+  print(f"\n## Flatness: folded search time vs depth ({SIZES['width']} width, h100)")
   times = {}
-  for layers in (12, 24, 48, 96):
+  for layers in SIZES["flat_layers"]:
     graph = trace(*gpt(layers))
     folded = fold(graph)
     runs = [timed_solve(graph, folded, True, True)[1] for _ in range(3)]
     times[layers] = min(runs)
     print(f"  L={layers:>3}: search {times[layers]:.3f} s (best of 3)", flush=True)
-  print(f"  ratio 96/12: {times[96] / times[12]:.2f}x (target <= 1.5x)")
+  deep, shallow = max(times), min(times)
+  print(f"  ratio {deep}/{shallow}: {times[deep] / times[shallow]:.2f}x (target <= 1.5x)")
+  return times
 
 
 def section_175b():
@@ -79,7 +98,9 @@ def section_175b():
   bare = time.perf_counter() - start
   mesh = jax.sharding.AbstractMesh((8, 8), ("data", "model"),
                                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p")
+  # Unlimited memory: the shape is planned to time the search; 96 layers of saved
+  # activations at batch 64 do not fit a v5p chip without rematerialisation.
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
   s = plan.stats
   total = s.trace_s + s.fold_s + s.search_s
   print(f"  equations {s.num_equations}, {s.num_layer_instances} instances of "
@@ -92,30 +113,42 @@ def section_175b():
 
 def section_rediscover():
   print("\n## Rediscovery on mesh data=2 x model=4 (batch on data only), h100")
-  for family, config in (("gpt", "gpt2-small"), ("llama", "llama3-8b")):
+  results = {}
+  for family, config in SIZES["rediscover"]:
     m = models.get_model(family, config, num_layers=4)
     args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
     plan = tapas.search(*args, mesh=MESH, device="h100", batch_axes=("data",))
     print(f"\n### {family} {config} (4 layers)")
     print("  " + plan.summary().replace("\n", "\n  "))
+    rows = []
     for name in baselines.BASELINES:
       base = baselines.baseline(name, *args, mesh=MESH, device="h100", family=family)
       print(f"  baseline {name:<14} {base.stats.predicted_step_s * 1e3:9.3f} ms/step "
             f"{base.stats.predicted_comm_bytes / 2**20:9.1f} MiB sent "
             f"{base.stats.predicted_state_bytes / 2**30:7.3f} GiB state/device")
+      rows.append(_figures(name, base))
     print(f"  search         {plan.stats.predicted_step_s * 1e3:16.3f} ms/step "
           f"{plan.stats.predicted_comm_bytes / 2**20:9.1f} MiB sent "
           f"{plan.stats.predicted_state_bytes / 2**30:7.3f} GiB state/device")
+    results[f"{family} {config} (4 layers)"] = [_figures("search", plan)] + rows
+  return results
+
+
+def _figures(name, plan):
+  s = plan.stats
+  return dict(plan=name, ms=s.predicted_step_s * 1e3, mib=s.predicted_comm_bytes / 2**20,
+              gib=s.predicted_state_bytes / 2**30)
 
 
 def section_memory():
-  print("\n## Memory pressure (GPT-2 small width, 4 layers, mesh data=2 x model=4, h100)")
+  print(f"\n## Memory pressure ({SIZES['width']} width, {SIZES['memory_layers']} layers, "
+        "mesh data=2 x model=4, h100)")
   print("  memory = inputs (params, optimizer state, batch) + intermediates live at the peak;")
   print("  budgets are fractions of the unconstrained plan's memory")
-  args = gpt(4)
+  args = gpt(SIZES["memory_layers"])
   mesh = MESH
   replicated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
-  free = tapas.search(*args, mesh=mesh, device="h100")
+  free = tapas.search(*args, mesh=mesh, device="h100", memory_budget=float("inf"))
   act = free.stats.predicted_memory_bytes - free.stats.predicted_state_bytes
   print(f"  replicated inputs {replicated / 2**30:.3f} GiB/device; unconstrained plan: "
         f"inputs {free.stats.predicted_state_bytes / 2**30:.3f} + activations "
@@ -127,6 +160,7 @@ def section_memory():
           f"{base.stats.predicted_step_s * 1e3:.3f} ms")
   print(f"  {'budget':>6} {'GiB':>6} {'memory GiB':>11} {'inputs GiB':>11} {'ms/step':>8} "
         f"{'heads split':>12} {'stored on data':>15} {'gathered for use':>17} {'search s':>9}")
+  rows = []
   for frac in (0.9, 0.75, 0.7, 0.68, 0.66):
     budget = frac * free.stats.predicted_memory_bytes
     start = time.perf_counter()
@@ -134,6 +168,7 @@ def section_memory():
       plan = tapas.search(*args, mesh=mesh, device="h100", memory_budget=budget)
     except tapas.InfeasibleBudgetError as e:
       print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} infeasible: ...{str(e)[110:330]}...")
+      rows.append(dict(budget_gib=budget / 2**30, memory_gib=None, ms=None))
       continue
     took = time.perf_counter() - start
     specs = jax.tree.leaves(plan.in_specs[0],
@@ -147,13 +182,18 @@ def section_memory():
     print(f"  {frac:>6.2f} {budget / 2**30:>6.3f} {s.predicted_memory_bytes / 2**30:>11.3f} "
           f"{s.predicted_state_bytes / 2**30:>11.3f} {s.predicted_step_s * 1e3:>8.3f} "
           f"{str(heads):>12} {on_data:>15} {gathered:>17} {took:>9.2f}")
+    rows.append(dict(budget_gib=budget / 2**30, memory_gib=s.predicted_memory_bytes / 2**30,
+                     ms=s.predicted_step_s * 1e3))
+  if SIZES["quick"]:
+    return rows, free.stats.predicted_memory_bytes / 2**30  # the integer program: full only
   # Under a budget the folded search tunes one Lagrange weight: not exact. The integer
   # program takes the budget as a hard row.
   short = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
   short_args = (short.train_step(), short.abstract_state(), short.batch_spec(8))
   for label, case, frac in (("4 layers, seq 1024", args, 0.7),
                             ("2 layers, seq 64, vocab 50304", short_args, 0.3)):
-    unconstrained = tapas.search(*case, mesh=mesh, device="h100")
+    unconstrained = tapas.search(*case, mesh=mesh, device="h100",
+                                 memory_budget=float("inf"))
     budget = frac * unconstrained.stats.predicted_memory_bytes
     lagrange = tapas.search(*case, mesh=mesh, device="h100", memory_budget=budget)
     start = time.perf_counter()
@@ -164,19 +204,36 @@ def section_memory():
           f"{exact.stats.predicted_step_s * 1e3:.3f} ms ({exact.stats.solver_status}, "
           f"{time.perf_counter() - start:.1f} s): folded "
           f"{lagrange.stats.predicted_step_s / exact.stats.predicted_step_s - 1:+.2%}")
+  return rows, free.stats.predicted_memory_bytes / 2**30
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--only", default=None)
   parser.add_argument("--time_limit", type=float, default=300.0,
                       help="seconds for each unfolded integer program")
-  args = parser.parse_args()
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny widths and depths: a smoke run, not figures to quote")
+  parser.add_argument("--plot_dir", default=None,
+                      help="also write a PNG per section here (fold, flat, rediscover, "
+                           "memory; 175b is one plan: text only)")
+  args = parser.parse_args(argv)
+  SIZES.clear()
+  SIZES.update(QUICK if args.quick else FULL)
   sections = {"fold": lambda: section_fold(args.time_limit), "flat": section_flat,
               "175b": section_175b, "rediscover": section_rediscover, "memory": section_memory}
+  if args.only is not None and args.only not in sections:
+    parser.error(f"--only: unknown section {args.only!r}; choose from {list(sections)}")
+  if args.plot_dir:
+    import bench_plots  # noqa: PLC0415 - matplotlib only when a plot is asked for
+    plots = {"fold": bench_plots.fold_vs_unfolded, "flat": bench_plots.flatness,
+             "rediscover": bench_plots.rediscovery,
+             "memory": lambda result: bench_plots.memory_budget(*result)}
   for name, fn in sections.items():
     if args.only in (None, name):
-      fn()
+      result = fn()
+      if args.plot_dir and name in plots:
+        print("wrote", bench_plots.save(plots[name](result), args.plot_dir, f"search_{name}"))
 
 
 if __name__ == "__main__":

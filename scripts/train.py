@@ -1,142 +1,617 @@
-"""Training launcher: plan the train step with tapas, then train with that plan.
-
-The step is traced and folded, a sharding plan is searched for the mesh, and the
-state and batch are placed and jitted with the plan's PartitionSpecs. `--noplan`
-trains data parallel instead (batch over every axis, state replicated).
+"""Training launcher: plan a zoo model's train step with tapas, then train with the plan.
 
 Usage:
-  python scripts/train.py                                 # configs/default.py
-  python scripts/train.py --config=configs/gpt2_small.py --steps=1
-  python scripts/train.py --model=llama --set=num_layers=6 --mesh=data=8
-  python scripts/train.py --coordinator=host0:1234 --num_processes=4 --process_id=0
+  python scripts/train.py                                   # configs/default.py
+  python scripts/train.py --config=configs/gpt2.py:tiny --mesh=data:2,model:4 \\
+      --steps=3 --workdir=/tmp/run
+  python scripts/train.py --config=configs/llama.py:tiny --config.model.num_layers=4 \\
+      --strategy=fsdp
+  python scripts/train.py --config=configs/gpt2.py:gpt3-175b --mesh=data:16,model:16 \\
+      --device=tpu-v5p --plan_only --workdir=/tmp/plan175b   # no devices needed
+  python scripts/train.py ... --coordinator_address=host0:1234 --num_processes=4 \\
+      --process_id=0                                         # one line per host
+
+Configs are `ml_collections` files (`configs/<family>.py:<size>`, see configs/base.py),
+locked: override any field as `--config.model.num_layers=4`, `--config.learning_rate=1e-2`.
+
+`--compare` prints the plan beside data parallel, FSDP and Megatron (predicted, and what
+XLA compiles of each); `--batch_axes=any` lets the search put the batch on any axis.
+
+The workdir gets `plan.json` (`tapas.Plan.load` reads it; `--strategy=plan:PATH` trains
+with it) and `plan.txt` (its summary), `config.json`,
+`metrics.jsonl` (one JSON object per step: step, loss, step_s, tokens_per_s or
+images_per_s, mfu) and orbax checkpoints under `checkpoints/`, restored with the plan's
+shardings: run again with more `--steps` to continue. On CPU the launcher makes
+`--host_devices` fake devices (unless XLA_FLAGS already sets a count). With several
+processes only process 0 prints and writes files (checkpoints are written by all).
+
+Bad input (a malformed mesh, unknown config key, size, model or strategy, an unreadable
+plan file, a non-positive step count, an unwritable workdir, a model that will not fit
+the host) is refused with one line on stderr and exit status 2, before anything is
+written.
 """
 
 import dataclasses
-import importlib.util
+import json
+import math
 import os
+import re
 import sys
+import tempfile
 import time
 
-from absl import app
-from absl import flags
-from absl import logging
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The checkout this script sits in is the one imported (its tapas_jax and configs/), even
+# where another copy of tapas_jax is installed.
+sys.path.insert(0, _ROOT)
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("config", os.path.join(_ROOT, "configs", "default.py"),
-                    "Python file with get_config() -> dict.")
-flags.DEFINE_string("model", None, "Override the config's model family.")
-flags.DEFINE_string("model_config", None, "Override the named model config.")
-flags.DEFINE_multi_string("set", [], "Model config field overrides, field=value.")
-flags.DEFINE_string("mesh", None, "Mesh axes, e.g. 'data=2,model=4'.")
-flags.DEFINE_integer("steps", None, "Train steps.")
-flags.DEFINE_integer("batch_size", None, "Global batch size.")
-flags.DEFINE_bool("plan", True, "Search a tapas plan (else data parallel).")
-flags.DEFINE_float("memory_budget_gib", None, "Per-device memory the plan may take (inputs "
-                   "and live activations), GiB; default unlimited.")
-flags.DEFINE_string("device", None, "Cost profile (tpu-v5e, h100, cpu, ...); default local.")
-flags.DEFINE_integer("host_devices", 8,
-                     "On CPU: fake devices (XLA_FLAGS) when no accelerator is present.")
-flags.DEFINE_string("coordinator", None, "jax.distributed coordinator address (multi-host).")
-flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
-flags.DEFINE_integer("process_id", None, "jax.distributed process id.")
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_ROOT, "configs", "default.py"),
+    "Config file and size, e.g. configs/gpt2.py:tiny. Fields override as "
+    "--config.model.num_layers=4.", lock_config=True)
+_MESH = flags.DEFINE_string("mesh", None, "Mesh axes as name:size pairs, outermost first, "
+                            "e.g. data:2,model:4; default: the config's mesh.")
+_DEVICE = flags.DEFINE_string("device", None, "Cost profile of the device (tpu-v4, tpu-v5e, "
+                              "tpu-v5p, a100, h100, h200, cpu); default: the local platform.")
+_MEMORY_BUDGET = flags.DEFINE_string("memory_budget", None, "Per-device memory the plan may "
+                                     "take: bytes, or with a unit (16GiB, 512MiB, 80GB).")
+_STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, megatron "
+                                "(expert baselines), or plan:PATH (a saved plan).")
+_BATCH_AXES = flags.DEFINE_string("batch_axes", None, "Mesh axes the search may split the "
+                                  "batch over, comma-separated, or 'any'; default: every axis.")
+_STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
+                                   "config.batch_size.")
+_SEED = flags.DEFINE_integer("seed", None, "Init and data seed; default: config.seed.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the plan, metrics and "
+                               "checkpoints; none: nothing is written.")
+_PLAN_ONLY = flags.DEFINE_bool("plan_only", False, "Search, print and save the plan, then "
+                               "stop: any mesh size, no devices needed.")
+_COMPARE = flags.DEFINE_bool("compare", False, "Print the plan next to the data parallel, "
+                             "FSDP and Megatron baselines: predicted figures, and what XLA "
+                             "compiles of each (unless --plan_only).")
+_HOST_DEVICES = flags.DEFINE_integer("host_devices", 8, "Fake CPU devices per process when "
+                                     "XLA_FLAGS does not set a count.")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", None, "Call jax.distributed.initialize() and "
+                                 "let it detect the cluster (Cloud TPU, SLURM, ...); default: "
+                                 "on when TPU_WORKER_HOSTNAMES names several hosts.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, "
+                                   "for jax.distributed off Cloud TPU.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+
+_STRATEGIES = {"tapas": None, "dp": "data_parallel", "fsdp": "fsdp", "megatron": "megatron"}
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def load_config(path: str) -> dict:
-  spec = importlib.util.spec_from_file_location("tapas_config", path)
-  if spec is None or spec.loader is None:
-    raise app.UsageError(f"--config={path}: not a Python file")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+class LaunchError(Exception):
+  """Bad input: the launcher prints the message as one line and exits with status 2."""
 
 
-def parse_value(text: str):
-  for cast in (int, float):
+# -- parsing and checks (before anything is written) --------------------------------------
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """`"data:2,model:4"` -> `{"data": 2, "model": 4}`."""
+  axes: dict[str, int] = {}
+  for item in text.split(","):
+    name, sep, size = (s.strip() for s in item.partition(":"))
+    if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name) or not re.fullmatch(r"\d+", size):
+      raise LaunchError(f"--mesh={text}: expected name:size pairs such as data:2,model:4, "
+                        f"got {item.strip()!r}")
+    if name in axes:
+      raise LaunchError(f"--mesh={text}: axis {name!r} appears twice")
+    if int(size) < 1:
+      raise LaunchError(f"--mesh={text}: axis {name!r} has size {size}; sizes are >= 1")
+    axes[name] = int(size)
+  return axes
+
+
+def parse_bytes(text: str) -> float:
+  """`"16GiB"` -> 17179869184.0; a bare number is bytes."""
+  match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+  unit = match and match.group(2).lower()
+  try:
+    value = float(match.group(1)) * _UNITS[unit] if match else -1.0
+  except (ValueError, KeyError):
+    value = -1.0
+  if value <= 0:
+    raise LaunchError(f"--memory_budget={text}: expected a positive size such as 16GiB, "
+                      "512MiB, 80GB or a number of bytes")
+  return value
+
+
+def parse_strategy(text: str) -> tuple[str, str | None]:
+  """`(kind, plan_path)`; the plan file is read here, so an unreadable one fails early."""
+  if text.startswith("plan:"):
+    path = text[len("plan:"):]
     try:
-      return cast(text)
-    except ValueError:
+      with open(path) as f:
+        json.load(f)
+    except (OSError, ValueError) as e:
+      raise LaunchError(f"--strategy={text}: cannot read the plan file ({e})") from None
+    return "plan", path
+  if text not in _STRATEGIES:
+    raise LaunchError(f"--strategy={text}: choose one of {', '.join(_STRATEGIES)} or "
+                      "plan:PATH")
+  return text, None
+
+
+def check_workdir(path: str) -> bool:
+  """Creates `path` if needed and proves a file can be written there.
+
+  Returns:
+    Whether the directory was created here (so a refused run can remove it).
+  """
+  created = not os.path.exists(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
       pass
-  return {"true": True, "false": False}.get(text.lower(), text)
+  except OSError as e:
+    raise LaunchError(f"--workdir={path}: not a writable directory ({e.strerror or e})") \
+        from None
+  return created
 
 
-def parse_pairs(items, flag: str) -> dict:
-  out = {}
-  for item in items:
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-      raise app.UsageError(f"--{flag}: expected field=value, got {item!r}")
-    out[key.strip()] = parse_value(value.strip())
-  return out
+def build_model(config):
+  """The zoo model the config names, with its optimizer settings."""
+  from tapas_jax import models  # noqa: PLC0415 - after sys.path is set
+  try:
+    model = models.get_model(config.family, config.size, **config.model.to_dict())
+  except ValueError as e:
+    raise LaunchError(f"--config: {e}") from None
+  return dataclasses.replace(model, learning_rate=config.learning_rate,
+                             weight_decay=config.weight_decay)
 
 
-def main(argv):
-  del argv
-  if "jax" not in sys.modules and FLAGS.host_devices > 1:
-    os.environ.setdefault(
-        "XLA_FLAGS", f"--xla_force_host_platform_device_count={FLAGS.host_devices}")
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+def host_memory_bytes() -> float:
+  """Memory this host can still hand out (MemAvailable), else its physical memory."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
-  import tapas_jax as tapas
-  from tapas_jax import models
 
-  if FLAGS.coordinator:
-    jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+def check_fits(plan, devices, process_index: int, what: str) -> None:
+  """Refuses, before compiling, a plan whose predicted memory the machine lacks."""
+  per_device = plan.stats.predicted_memory_bytes
+  local = [d for d in devices if d.process_index == process_index]
+  if devices[0].platform == "cpu":
+    need, have = per_device * len(local), host_memory_bytes()
+    where = f"{len(local)} CPU devices share this host's {have / 2**30:.1f} GiB available"
+  else:
+    stats = devices[0].memory_stats() or {}
+    need, have = per_device, float(stats.get("bytes_limit", math.inf))
+    where = f"one {devices[0].device_kind} holds {have / 2**30:.1f} GiB"
+  if need > have:
+    raise LaunchError(
+        f"{what} does not fit: the plan predicts {per_device / 2**30:.2f} GiB per device "
+        f"and {where}; use a smaller size, a larger mesh, or --plan_only")
 
-  cfg = load_config(FLAGS.config)
-  name = FLAGS.model or cfg["model"]
-  overrides = dict(cfg.get("overrides", {})) if not FLAGS.model else {}
-  overrides.update(parse_pairs(FLAGS.set, "set"))
-  model = models.get_model(name, FLAGS.model_config or cfg["config"], **overrides)
-  model = dataclasses.replace(model, learning_rate=cfg.get("learning_rate", 1e-3))
-  mesh_axes = parse_pairs(FLAGS.mesh.split(","), "mesh") if FLAGS.mesh else cfg["mesh"]
-  mesh = tapas.make_mesh(mesh_axes)
-  steps = FLAGS.steps or cfg["steps"]
-  batch_size = FLAGS.batch_size or cfg["batch_size"]
-  print(f"model {name} {model.config}")
-  print(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} "
-        f"device(s), {jax.process_count()} process(es)")
 
+# -- files ---------------------------------------------------------------------------------
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` via a temporary file and a rename: never half a file."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def load_plan(path: str):
+  import tapas_jax as tapas  # noqa: PLC0415
+  try:
+    return tapas.Plan.load(path)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise LaunchError(f"--strategy=plan:{path}: {e}") from None
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Every input of a run, checked."""
+
+  config: object
+  model: object
+  mesh_axes: dict
+  strategy: str
+  plan_path: str | None
+  device: str | None
+  memory_budget: float | None
+  batch_axes: object
+  steps: int
+  batch_size: int
+  seed: int
+  workdir: str | None
+
+
+def read_settings() -> Settings:
+  """Flags and config, checked; raises LaunchError on the first bad one."""
+  try:  # the config file may load lazily, on first use
+    config = _CONFIG.value
+    config.family  # noqa: B018 - a config that failed to load raises here
+  except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    raise LaunchError(f"--config: {one_line(e)}") from None
+  steps = config.steps if _STEPS.value is None else _STEPS.value
+  batch_size = config.batch_size if _BATCH_SIZE.value is None else _BATCH_SIZE.value
+  if steps < 1:
+    raise LaunchError(f"--steps={steps}: the step count must be positive")
+  if batch_size < 1:
+    raise LaunchError(f"--batch_size={batch_size}: the batch size must be positive")
+  if config.data not in ("learnable", "random"):
+    raise LaunchError(f"--config.data={config.data}: choose learnable or random")
+  mesh_axes = parse_mesh(_MESH.value or config.mesh)
+  strategy, plan_path = parse_strategy(_STRATEGY.value)
+  budget = parse_bytes(_MEMORY_BUDGET.value) if _MEMORY_BUDGET.value else None
+  batch_axes = "default"  # tapas.search's own default
+  if _BATCH_AXES.value == "any":
+    batch_axes = None
+  elif _BATCH_AXES.value:
+    batch_axes = tuple(a.strip() for a in _BATCH_AXES.value.split(","))
+    unknown = [a for a in batch_axes if a not in mesh_axes]
+    if unknown:
+      raise LaunchError(f"--batch_axes={_BATCH_AXES.value}: {unknown} not in the mesh "
+                        f"axes {list(mesh_axes)}")
+  if _DEVICE.value is not None:
+    from tapas_jax import cost  # noqa: PLC0415
+    try:
+      cost.get_profile(_DEVICE.value)
+    except ValueError as e:
+      raise LaunchError(f"--device: {e}") from None
+  return Settings(config=config, model=build_model(config), mesh_axes=mesh_axes,
+                  strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
+                  memory_budget=budget, batch_axes=batch_axes, steps=steps,
+                  batch_size=batch_size,
+                  seed=config.seed if _SEED.value is None else _SEED.value,
+                  workdir=_WORKDIR.value)
+
+
+def start_jax(settings: Settings):
+  """Configures fake CPU devices and the multi-process runtime, then imports jax."""
+  import jax  # noqa: PLC0415
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", _HOST_DEVICES.value)
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  distributed = _DISTRIBUTED.value if _DISTRIBUTED.value is not None else "," in hosts
+  if _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None:
+    if not (_COORDINATOR.value and _NUM_PROCESSES.value and _PROCESS_ID.value is not None):
+      raise LaunchError("multi-process runs need all of --coordinator_address, "
+                        "--num_processes and --process_id")
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  elif distributed:
+    jax.distributed.initialize()
+  return jax
+
+
+class Reporter:
+  """Prints and writes from process 0 only."""
+
+  def __init__(self, jax, workdir: str | None):
+    self.lead = jax.process_index() == 0
+    self.workdir = workdir
+
+  def say(self, text: str) -> None:
+    if self.lead:
+      print(text, flush=True)
+
+  def write(self, name: str, text: str) -> None:
+    if self.lead and self.workdir:
+      write_atomic(os.path.join(self.workdir, name), text)
+
+
+def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
+  """Searches (or builds, or loads) the plan the strategy asks for."""
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import baselines  # noqa: PLC0415
+  try:
+    if settings.strategy == "plan":  # its flax/optax nodes come back as stand-ins
+      return load_plan(settings.plan_path).bind(state_spec, batch_spec)
+    if settings.strategy == "tapas":
+      return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
+                          device=settings.device, memory_budget=settings.memory_budget,
+                          batch_axes=settings.batch_axes)
+    return baselines.baseline(_STRATEGIES[settings.strategy], train_step, state_spec,
+                              batch_spec, mesh=mesh, device=settings.device,
+                              family=settings.config.family)
+  except ValueError as e:  # an infeasible budget, a mesh the model cannot use, ...
+    raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
+
+
+def compare(settings: Settings, plan, train_step, state_spec, batch_spec, mesh, say) -> None:
+  """Prints `plan` beside the expert baselines, predicted and (with devices) compiled."""
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import baselines, measure  # noqa: PLC0415
+  plans = {plan.name: plan}
+  for name in baselines.BASELINES:
+    if name != plan.name:
+      plans[name] = baselines.baseline(name, train_step, state_spec, batch_spec, mesh=mesh,
+                                       device=plan.device, family=settings.config.family)
+  compiled = not isinstance(mesh, dict)
+  head = f"{'plan':<14} {'pred ms':>8} {'pred comm MiB':>13} {'pred mem MiB':>12}"
+  say("plans per device per step" + (" (XLA: the compiled program; on CPU XLA makes no "
+                                     "reduce-scatter, so ZeRO gradients count as "
+                                     "all-reduces)" if compiled else ""))
+  say(head + (f" {'XLA comm MiB':>12} {'XLA mem MiB':>11}" if compiled else ""))
+  for name, p in plans.items():
+    s = p.stats
+    line = (f"{name:<14} {s.predicted_step_s * 1e3:>8.3f} "
+            f"{s.predicted_comm_bytes / 2**20:>13.2f} {s.predicted_memory_bytes / 2**20:>12.2f}")
+    if compiled:
+      step = tapas.apply(p, train_step, mesh=mesh)
+      got = measure.measure(step.lower(state_spec, batch_spec).compile(), mesh.size)
+      line += f" {got.comm_bytes['total'] / 2**20:>12.2f} {got.memory_bytes / 2**20:>11.2f}"
+    say(line)
+
+
+def batch_items(batch_spec) -> tuple[float, str]:
+  """Examples one batch counts in the unit people quote: images, or tokens."""
+  if "images" in batch_spec:
+    return float(batch_spec["images"].shape[0]), "images"
+  tokens = [batch_spec[k].size for k in ("inputs", "decoder_inputs") if k in batch_spec]
+  return float(sum(tokens)), "tokens"
+
+
+def model_flops(jax, train_step, state_spec, batch_spec) -> float:
+  """FLOPs of one unsharded step as XLA counts them (lowered only; loops count once)."""
+  try:
+    cost = jax.jit(train_step).lower(state_spec, batch_spec).cost_analysis()
+  except Exception:  # noqa: BLE001 - a missing estimate only drops the MFU column
+    return 0.0
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", 0.0))
+
+
+def read_metrics(path: str, upto: int) -> list[str]:
+  """The lines of a previous run's metrics.jsonl up to step `upto` (a resume keeps them)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  return [line for line in lines if json.loads(line)["step"] <= upto]
+
+
+def progress(step: int, steps: int, width: int = 20) -> str:
+  done = width * step // steps
+  return "[" + "#" * done + "." * (width - done) + f"] {step}/{steps}"
+
+
+def train(settings: Settings) -> int:
+  """Checks the devices and the workdir, then plans (and trains, unless --plan_only)."""
+  jax = start_jax(settings)
+  num_devices = math.prod(settings.mesh_axes.values())
+  mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
+  if not _PLAN_ONLY.value and num_devices > jax.device_count():
+    raise LaunchError(f"--mesh={mesh_text} needs {num_devices} devices and "
+                      f"{jax.device_count()} are available; plan it with --plan_only, or "
+                      f"use a mesh of {jax.device_count()} devices")
+  workdir = settings.workdir
+  created = bool(workdir) and jax.process_index() == 0 and check_workdir(workdir)
+  try:
+    return _train(jax, settings, workdir)
+  except LaunchError:
+    if created and not os.listdir(workdir):  # refused before writing: leave no trace
+      os.rmdir(workdir)
+    raise
+
+
+def _train(jax, settings: Settings, workdir: str | None) -> int:
+  """Plans, reports and writes the plan; then `fit`, unless --plan_only."""
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import cost  # noqa: PLC0415
+
+  model, config = settings.model, settings.config
+  num_devices = math.prod(settings.mesh_axes.values())
+  mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
+  what = f"{config.family}:{config.size}"
+  out = Reporter(jax, workdir)
+  config_json = json.dumps({"family": config.family, "size": config.size,
+                            "model": config.model.to_dict(),
+                            "batch_size": settings.batch_size}, sort_keys=True, default=str)
+  ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints") if workdir else None
+  if ckpt_dir and os.path.isdir(ckpt_dir) and not _PLAN_ONLY.value:
+    old = os.path.join(workdir, "config.json")
+    if os.path.exists(old) and open(old).read() != config_json:
+      raise LaunchError(f"--workdir={workdir} holds checkpoints of another model or batch "
+                        f"size ({old}); use a fresh workdir")
+
+  out.say(f"model {what} ({model.param_count():,} params) {model.config}")
+  out.say(f"mesh {mesh_text}, strategy {_STRATEGY.value}, "
+          f"{jax.process_count()} process(es)")
   train_step = model.train_step()
   state_spec = model.abstract_state()
-  batch_spec = model.batch_spec(batch_size)
-  if FLAGS.plan:
-    budget = FLAGS.memory_budget_gib * 2**30 if FLAGS.memory_budget_gib else None
-    plan = tapas.search(train_step, state_spec, batch_spec, mesh=mesh, device=FLAGS.device,
-                        memory_budget=budget)
-    print(plan.summary())
-    to_sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    state_sharding = jax.tree.map(to_sharding, plan.in_specs[0], is_leaf=is_spec)
-    batch_sharding = jax.tree.map(to_sharding, plan.in_specs[1], is_leaf=is_spec)
+  batch_spec = model.batch_spec(settings.batch_size)
+  if _PLAN_ONLY.value:
+    mesh = dict(settings.mesh_axes)
   else:
-    graph = tapas.trace.trace(train_step, state_spec, batch_spec)
-    print(tapas.fold.fold(graph).summary())
-    state_sharding = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  replicated = NamedSharding(mesh, P())
-  state = jax.jit(model.init, out_shardings=state_sharding)(jax.random.key(cfg.get("seed", 0)))
-  if FLAGS.plan:  # the plan's shardings plus the constraints it pins inside the step
+    mesh = tapas.make_mesh(settings.mesh_axes, devices=jax.devices()[:num_devices])
+  start = time.perf_counter()
+  plan = make_plan(settings, train_step, state_spec, batch_spec, mesh)
+  plan_s = time.perf_counter() - start
+  s = plan.stats
+  device = plan.device
+  out.say(f"stage trace {s.trace_s:.2f}s  fold {s.fold_s:.2f}s  search {s.search_s:.2f}s  "
+          f"(plan in {plan_s:.2f}s)")
+  out.say(plan.summary())
+  hbm = cost.get_profile(device).hbm_bytes
+  if s.predicted_memory_bytes > hbm:
+    out.say(f"note: the plan predicts {s.predicted_memory_bytes / 2**30:.1f} GiB per device "
+            f"and a {device} holds {hbm / 2**30:.0f} GiB: pass --memory_budget="
+            f"{hbm / 2**30:.0f}GiB, a larger mesh or a smaller batch")
+  if _COMPARE.value:
+    compare(settings, plan, train_step, state_spec, batch_spec, mesh, out.say)
+  compiled = None
+  if not _PLAN_ONLY.value:
+    check_fits(plan, list(mesh.devices.flat), jax.process_index(), what)
+    compiled = compile_step(jax, plan, train_step, (state_spec, batch_spec), mesh, out)
+  out.write("config.json", config_json)
+  if out.lead and workdir:
+    plan.save(os.path.join(workdir, "plan.json"))  # atomic, as write_atomic
+  out.write("plan.txt", plan.summary() + "\n")
+  if _PLAN_ONLY.value:
+    return 0
+  return fit(jax, settings, plan, mesh, (train_step, state_spec, batch_spec), compiled,
+             out, ckpt_dir)
+
+
+def shardings(jax, plan, mesh):
+  """The plan's `in_specs` as `NamedSharding`s on `mesh`."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.in_specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
+  """The train step compiled with the plan, from the argument shapes alone.
+
+  A plan of another program (a saved one, say) is refused here, before any state is
+  allocated or any file written.
+  """
+  import tapas_jax as tapas  # noqa: PLC0415
+  abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          specs, shardings(jax, plan, mesh))
+  start = time.perf_counter()
+  try:
     step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
+    compiled = step.lower(*abstract).compile()
+  except ValueError as e:
+    raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
+  out.say(f"stage compile {time.perf_counter() - start:.2f}s")
+  return compiled
+
+
+def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
+        ckpt_dir: str | None) -> int:
+  """Initialises or restores the state with the plan's shardings, compiles and trains."""
+  import numpy as np  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  from tapas_jax import cost  # noqa: PLC0415
+  from tapas_jax.models import synthetic  # noqa: PLC0415
+
+  train_step, state_spec, batch_spec = program
+  model, config, workdir, device = settings.model, settings.config, settings.workdir, plan.device
+  state_sharding, batch_sharding = shardings(jax, plan, mesh)
+  make = synthetic.learnable_batch if config.data == "learnable" else \
+      (lambda m, k, n: m.make_batch(k, n))
+  make_batch = jax.jit(lambda k: make(model, k, settings.batch_size),
+                       out_shardings=batch_sharding)
+  seed_key = jax.random.key(settings.seed)
+
+  ckpt = None
+  if ckpt_dir:
+    ckpt = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, create=True, enable_async_checkpointing=False))
+  latest = ckpt.latest_step() if ckpt else None
+  start = time.perf_counter()
+  if latest is not None:
+    target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          state_spec, state_sharding)
+    state = ckpt.restore(latest, args=ocp.args.StandardRestore(target))
+    out.say(f"stage restore step {latest} from {ckpt_dir} {time.perf_counter() - start:.2f}s")
   else:
-    step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
-                   out_shardings=(state_sharding, replicated), donate_argnums=0)
-  rng = np.random.default_rng(cfg.get("seed", 0))
-  for k in range(steps):
-    batch = model.make_batch(jax.random.key(int(rng.integers(1 << 30))), batch_size)
-    batch = jax.device_put(batch, batch_sharding)
-    start = time.perf_counter()
-    state, metrics = step(state, batch)
-    loss = float(metrics["loss"])
-    print(f"step {k + 1}/{steps}: loss {loss:.4f} ({time.perf_counter() - start:.2f}s)")
-    if not np.isfinite(loss):
-      logging.error("loss is not finite; stopping")
-      return 1
+    state = jax.jit(model.init, out_shardings=state_sharding)(seed_key)
+    out.say(f"stage init {time.perf_counter() - start:.2f}s")
+  first = int(state.step)
+  if first >= settings.steps:
+    out.say(f"already at step {first} >= --steps={settings.steps}; nothing to do")
+    return 0
+
+  batch = make_batch(jax.random.fold_in(seed_key, first))
+  items, unit = batch_items(batch_spec)
+  flops = model_flops(jax, train_step, state_spec, batch_spec)
+  dtype = str(getattr(model.config, "dtype", "float32"))
+  peak = mesh.size / cost.compute_time(1.0, device, dtype)  # FLOP/s of the whole mesh
+  metrics_path = os.path.join(workdir, "metrics.jsonl") if workdir else None
+  kept = read_metrics(metrics_path, first) if metrics_path and out.lead else []
+  out.write("metrics.jsonl", "".join(kept))
+  log = open(metrics_path, "a") if metrics_path and out.lead else None
+  try:
+    for k in range(first, settings.steps):
+      if k > first:
+        batch = make_batch(jax.random.fold_in(seed_key, k))
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      loss = float(metrics["loss"])
+      step_s = time.perf_counter() - start
+      step = k + 1
+      row = {"step": step, "loss": loss, "step_s": step_s,
+             f"{unit}_per_s": items / step_s, "mfu": flops / step_s / peak}
+      if log:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+      label = "first step" if k == first else "step"
+      out.say(f"{progress(step, settings.steps)} {label} loss {loss:.4f}  {step_s:.3f}s  "
+              f"{row[f'{unit}_per_s']:,.0f} {unit}/s  MFU {100 * row['mfu']:.3f}% of {device}")
+      if not np.isfinite(loss):
+        out.say("loss is not finite; stopping")
+        return 1
+      if ckpt and (step % config.checkpoint_every == 0 or step == settings.steps):
+        ckpt.save(step, args=ocp.args.StandardSave(state))
+  finally:
+    if log:
+      log.close()
+    if ckpt:
+      ckpt.wait_until_finished()
+      ckpt.close()
+  if ckpt:
+    out.say(f"checkpoint step {settings.steps} in {ckpt_dir}")
   return 0
 
 
+def one_line(error: BaseException) -> str:
+  """A flag or config error as one line: the config file's own error, not its traceback."""
+  text = str(error)
+  if isinstance(error, AttributeError):  # config_flags: unknown key, repr'd, "did you mean"
+    text = "unknown config key " + text.replace("\\n", "\n").replace("\\'", "'").strip("'")
+  cause = error.__cause__
+  if cause is not None and "Traceback" not in text:  # config file missing or unreadable
+    text = f"{text}: {cause}"
+  if "Traceback (most recent call last)" in text or isinstance(error, OSError):
+    text = text.rstrip().splitlines()[-1]  # the file's own error, or why it did not load
+  return " ".join(text.split())
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or config override reported in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    print(f"train.py: error: {one_line(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv):
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every file it writes at INFO
+    logging.set_verbosity(logging.WARNING)
+  try:
+    if len(argv) > 1:
+      raise LaunchError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
+    return train(read_settings())
+  except LaunchError as e:
+    print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

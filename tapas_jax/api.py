@@ -28,7 +28,13 @@ from tapas_jax import plan as planlib
 from tapas_jax import solver as solverlib
 from tapas_jax import trace as tracelib
 
-__all__ = ["Prepared", "prepare", "search"]
+__all__ = ["HBM_HEADROOM", "Prepared", "default_budget", "prepare", "search"]
+
+# Share of a device's memory a plan leaves to the runtime: the CUDA context and
+# library workspaces (cuBLAS, cuDNN, NCCL buffers), XLA's own scratch and allocator
+# fragmentation, none of which the plan counts; and room for the memory model's error
+# (its prediction is within about 20% of what XLA allocates: BENCHMARKS.md).
+HBM_HEADROOM = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +90,17 @@ def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
                   prepare_s=time.perf_counter() - start)
 
 
+def default_budget(profile: costlib.DeviceProfile) -> float:
+  """Per-device bytes a plan may take when no budget is given: the device's memory
+  less `HBM_HEADROOM`.
+
+  Example:
+    >>> round(default_budget(costlib.get_profile("h100")) / 2**30, 1)
+    67.1
+  """
+  return profile.hbm_bytes * (1 - HBM_HEADROOM)
+
+
 def search(fn, *args, mesh, device: str | None = None,
            memory_budget: float | str | None = None,
            batch_axes: Sequence[str] | None | str = options.DEFAULT, fold: bool = True,
@@ -104,16 +121,19 @@ def search(fn, *args, mesh, device: str | None = None,
       default from the local platform.
     memory_budget: per-device bytes the plan may take: the program's inputs
       (parameters, optimizer state, batch) plus the intermediates live at the
-      activation peak, as `plan.stats.predicted_memory_bytes` reports; None:
-      unlimited. A number of bytes or a string: "16GiB" (GiB, MiB, ...: powers of
-      1024), "16GB" (GB, MB, ...: powers of 1000), "1.5 TiB", "512MiB". Tight budgets
-      store parameters and optimizer state split over axes their compute does not use
-      (ZeRO) before they split the compute itself.
+      activation peak, as `plan.stats.predicted_memory_bytes` reports. None: the
+      device profile's memory (`hbm_bytes`) less 10% headroom (`default_budget`);
+      `float("inf")`: unlimited. A number of bytes or a string: "16GiB" (GiB, MiB,
+      ...: powers of 1024), "16GB" (GB, MB, ...: powers of 1000), "1.5 TiB". Tight
+      budgets store parameters and optimizer state split over axes their compute does
+      not use (ZeRO) before they split the compute itself. The prediction assumes the
+      state argument is donated (`tapas.apply(..., donate_argnums=0)`): otherwise it
+      is held twice.
     batch_axes: mesh axes that may split the batch: one axis name ("data") or a
-      sequence of them; default: every axis whose name does not say it carries the
-      model (model, tp, expert, seq, pipe, ...: see `solver.problem.MODEL_AXIS_NAMES`);
-      None: any axis. The batch is found by dataflow: dim 0 of every input that is not
-      state carried to the next step.
+      sequence of them; default (and None): every axis, so data parallelism and FSDP
+      over the whole mesh are in the search's space whatever the axes are called. The
+      batch is found by dataflow: dim 0 of every input that is not state carried to
+      the next step.
     fold: search each unique layer once (True: the folded view, and each cost table
       built once per unique layer) or every op on its own (False).
     solver: "elimination" (exact variable elimination) or "ilp" (one integer program
@@ -134,8 +154,9 @@ def search(fn, *args, mesh, device: str | None = None,
     A `tapas_jax.plan.Plan`.
 
   Raises:
-    InfeasibleBudgetError: no plan fits `memory_budget`; the message gives the smallest
-      per-device memory reachable and the tensors that dominate it.
+    InfeasibleBudgetError: no plan fits `memory_budget` (by default, the device's
+      memory); the message gives the budget, the smallest per-device memory
+      reachable and the tensors that dominate it. Raised before anything runs.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -154,15 +175,43 @@ def search(fn, *args, mesh, device: str | None = None,
   start = time.perf_counter()
   solverlib.warn_unsplittable(prepared.problem)
   solverlib.warn_batch_unsplit(prepared.problem)
+  profile = prepared.problem.profile
+  budget = resolve_budget(memory_budget, profile)
   cache: dict = {}
-  solution = solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
-                             memory_budget=memory_budget, time_limit=time_limit,
-                             table_cache=cache, folded=prepared.folded)
+  try:
+    solution = solverlib.solve(prepared.problem, reuse=fold,
+                               solver=solver_name(solver, fold), memory_budget=budget,
+                               time_limit=time_limit, table_cache=cache,
+                               folded=prepared.folded)
+  except solverlib.InfeasibleBudgetError as e:
+    if memory_budget is not None:
+      raise
+    raise solverlib.InfeasibleBudgetError(
+        f"{e} The budget is the default: {profile.name}'s {profile.hbm_bytes / 2**30:.1f} "
+        f"GiB of device memory less {HBM_HEADROOM:.0%} headroom; pass memory_budget= "
+        "to change it (float('inf'): no limit).", budget_bytes=e.budget_bytes,
+        leanest_bytes=e.leanest_bytes) from None
   search_s = prepared.prepare_s + time.perf_counter() - start
   from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
   return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
                            search_s=search_s, kwargs=kwargs,
                            baselines=baselines.figures(prepared.problem, cache))
+
+
+def resolve_budget(memory_budget: float | None,
+                   profile: costlib.DeviceProfile) -> float | None:
+  """The budget the solver gets: None (unlimited) for infinity, the device's by default.
+
+  Raises:
+    ValueError: a budget that is not a positive number of bytes.
+  """
+  if memory_budget is None:
+    return default_budget(profile)
+  budget = float(memory_budget)
+  if not budget > 0:
+    raise ValueError(f"memory_budget={memory_budget!r}: give positive bytes per device, "
+                     "None for the device's memory, or float('inf') for no limit")
+  return None if budget == float("inf") else budget
 
 
 def solver_name(name: str | None, fold: bool) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from typing import Any, Mapping
 
 from tapas_jax import api
@@ -112,7 +113,7 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     device: device profile name.
     family: zoo family name (needed by "megatron").
     batch_axes: axes Megatron puts the batch on (default: the axes whose names do not
-      say they carry the model, `solver.problem.MODEL_AXIS_NAMES`);
+      say they are meant for the model, `solver.problem.data_axes`);
       data parallel and FSDP always use every axis.
     links: mesh axis -> "intra"/"inter".
     kwargs: the step's keyword arguments, as for `tapas_jax.search`.
@@ -135,7 +136,7 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   layouts = None
   if name == "megatron":
     if batch_axes is None or isinstance(batch_axes, str):
-      batch_axes = solver.default_batch_axes(mesh_spec)
+      batch_axes = solver.problem.data_axes(mesh_spec)
     choice = _megatron_choice(problem, family or "", tuple(batch_axes))
   else:
     choice = {c: a for c, a in _batch_choice(problem, every).items() if a}
@@ -143,9 +144,18 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
       stored, layouts = _fsdp(problem)
       choice.update(stored)
   solution = solver.evaluate(problem, choice, input_layouts=layouts)
-  return planlib.make_plan(problem, prepared.folded, solution, args,
+  plan = planlib.make_plan(problem, prepared.folded, solution, args,
                            search_s=prepared.prepare_s + time.perf_counter() - start,
                            name=name, input_layouts=layouts, kwargs=kwargs)
+  limit = api.default_budget(problem.profile)
+  if plan.stats.predicted_memory_bytes > limit:
+    # A baseline is a fixed layout to compare against, so it is returned, but it says
+    # so before anything runs.
+    warnings.warn(f"baseline {name!r} takes {plan.stats.predicted_memory_bytes / 2**30:.2f} "
+                  f"GiB per device, over {problem.profile.name}'s {limit / 2**30:.2f} GiB "
+                  f"(device memory less {api.HBM_HEADROOM:.0%} headroom): it would not fit",
+                  stacklevel=2)
+  return plan
 
 
 def figures(problem, table_cache: dict | None = None) -> tuple[planlib.BaselineFigures, ...]:

@@ -297,6 +297,30 @@ def compute_time(flops: float, profile: str | DeviceProfile, dtype: str = "bfloa
   return flops / (profile.peak_flops_f32 if wide else profile.peak_flops)
 
 
+def roofline_time(flops: float, nbytes: float, profile: str | DeviceProfile,
+                  dtype: str = "bfloat16") -> float:
+  """Seconds one op takes on one chip: bound by its FLOPs or by its memory traffic.
+
+  Args:
+    flops: floating-point operations per device.
+    nbytes: bytes the op reads from and writes to device memory, per device.
+    profile: device profile or its name.
+    dtype: as for `compute_time`.
+
+  Returns:
+    max(flops / peak FLOP/s, nbytes / HBM bandwidth).
+
+  Example:
+    >>> roofline_time(0, 3350e9, "h100")  # an elementwise op over 3.35 TB: 1 s
+    1.0
+    >>> roofline_time(989.5e12, 1.0, "h100")  # a matmul: compute bound
+    1.0
+  """
+  profile = get_profile(profile)
+  moved = nbytes / profile.hbm_bandwidth
+  return max(compute_time(flops, profile, dtype) if flops else 0.0, moved)
+
+
 def _check_link(link: str) -> str:
   if link not in _LINKS:
     raise ValueError(f"Unknown link kind {link!r}; use 'intra' or 'inter'.")

@@ -114,7 +114,8 @@ def memory_bytes(value: Any, where: str = "search", name: str = "memory_budget"
                  ) -> float | None:
   """Bytes from a number or a string like "16GiB", "16GB", "1.5 TiB", "512MiB".
 
-  GB, MB, ... count in powers of 1000; GiB, MiB, ... in powers of 1024. None stays None.
+  GB, MB, ... count in powers of 1000; GiB, MiB, ... in powers of 1024. None (the
+  device's memory) stays None; `float("inf")` (no limit) stays inf.
 
   Example:
     >>> memory_bytes("512MiB"), memory_bytes(1e9), memory_bytes(None)
@@ -135,17 +136,18 @@ def memory_bytes(value: Any, where: str = "search", name: str = "memory_budget"
     value_bytes = float(value)
   else:
     raise OptionError(f"{where}: {name}={value!r} is a {type(value).__name__}; give bytes "
-                      "as a number, or a string like '16GiB', or None for no limit.")
-  if not math.isfinite(value_bytes) or value_bytes <= 0:
+                      "as a number, or a string like '16GiB', None for the device's "
+                      "memory or float('inf') for no limit.")
+  if math.isnan(value_bytes) or value_bytes <= 0:
     raise OptionError(f"{where}: {name}={value!r} must be a positive number of bytes "
-                      "(or None for no limit).")
+                      "(or None for the device's memory, float('inf') for no limit).")
   return value_bytes
 
 
 def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
                ) -> tuple[str, ...] | None | str:
   """One axis name, a sequence of them (each a mesh axis), None (any axis), or
-  `DEFAULT` (every axis whose name does not say it carries the model).
+  `DEFAULT` (every axis: `solver.problem.default_batch_axes`).
 
   A single string is one axis, never read letter by letter.
   """

@@ -65,8 +65,8 @@ from typing import Any
 
 from tapas_jax import _jax_internals as jx
 
-__all__ = ["OpRule", "RULES", "STRICT_ENV", "Shape", "default_rule", "is_strict",
-           "register", "rule_for", "rule_of", "strict_rules"]
+__all__ = ["ELEMENTWISE", "IDENTITY", "OpRule", "RULES", "STRICT_ENV", "Shape", "default_rule",
+           "is_strict", "register", "rule_for", "rule_of", "strict_rules"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -274,6 +274,8 @@ _ELEMENTWISE = (
 # Same maps, but pure data movement (no FLOPs).
 _IDENTITY = ("copy", "copy_p", "stop_gradient", "optimization_barrier", "device_put",
              "sharding_constraint", "pvary")
+# Public names: the memory model fuses these into their readers as XLA does.
+ELEMENTWISE, IDENTITY = _ELEMENTWISE, _IDENTITY
 
 
 @register(*_ELEMENTWISE)

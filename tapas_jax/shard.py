@@ -57,9 +57,7 @@ class SearchOptions:
       `jax.set_mesh` context, else `default_mesh()`.
     device: device profile name; None: from the local platform.
     memory_budget: per-device bytes the plan may take (see `tapas.search`).
-    batch_axes: as for `tapas.search`; "default": on a mesh you give, every axis whose
-      name does not say it carries the model; any axis on `default_mesh()` (its names
-      are only labels).
+    batch_axes: as for `tapas.search` (default: any axis).
     fold: search each unique layer once.
   """
 

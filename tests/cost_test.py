@@ -68,6 +68,23 @@ def test_compute_time_uses_the_dtype_peak():
   assert cost.compute_time(156e12, "a100", dtype="float32") == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("flops,nbytes,seconds", [
+    (0, 3350e9, 1.0),              # data movement: bandwidth bound
+    (494.5e12, 0, 1.0),            # pure compute at the f32 peak
+    (494.5e12, 3350e9 / 2, 1.0),   # a matmul: compute bound, bytes hidden
+    (494.5e12 / 4, 3350e9, 1.0),   # a norm: memory bound, FLOPs hidden
+])
+def test_roofline_is_the_slower_of_compute_and_memory(flops, nbytes, seconds):
+  assert cost.roofline_time(flops, nbytes, "h100", "float32") == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("name", sorted(cost.PROFILES))
+def test_every_profile_has_memory_size_and_bandwidth(name):
+  p = cost.get_profile(name)
+  assert 2**30 <= p.hbm_bytes <= 2**40
+  assert 1e9 <= p.hbm_bandwidth <= 1e13
+
+
 # --- meshes -----------------------------------------------------------------
 
 

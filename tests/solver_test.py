@@ -156,7 +156,7 @@ def budget_case(seed):
   finite = np.isfinite(time)
   fits = finite & (mem <= budget)
   fit = fit_budget(_lagrange_run(factors, memory, domain_size), memory, budget)
-  rows = [(t.scope, t.value) for t in memory]
+  rows = [[(t.scope, t.value) for t in memory]]  # one budget row
   ilp = solve_ilp(factors, domain_size, rows, budget, None)
   ilp_time = value(factors, ilp.assignment) if ilp.assignment is not None else math.inf
   ilp_mem = (evaluate_tables(memory, ilp.assignment)[0] if ilp.assignment is not None
@@ -283,9 +283,10 @@ REGENERATE = "python tests/solver_test.py --update-golden"
 FIGURES = ("predicted_step_s", "predicted_comm_bytes", "predicted_state_bytes",
            "predicted_memory_bytes")
 # (family, memory budget as a fraction of the unbudgeted plan's predicted memory).
-# On the cpu profile tiny models split their batch, attention heads and MLP; half the
-# memory stores parameters and optimizer state split (ZeRO) as well.
-GOLDEN = [("gpt", None), ("gpt", 0.5), ("llama", None), ("llama", 0.5)]
+# On the cpu profile tiny models split their batch, attention heads and MLP.
+# Budgets as a fraction of the free plan's memory: tiny models sit close to their floor
+# (the leanest plan takes 0.91x for GPT, 0.82x for LLaMA), so the budget is just under 1.
+GOLDEN = [("gpt", None), ("gpt", 0.95), ("llama", None), ("llama", 0.95)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,28 +69,31 @@ BUDGET_ROUNDS = 6
 
 def within_budget(problem: Problem, acts: Activations, initial: BudgetResult,
                   memory: list[Table], budget: float,
-                  solve_within: Callable[[list[Table]], BudgetResult]) -> BudgetResult:
+                  solve_within: Callable[[tuple[list[Table], ...]], BudgetResult]
+                  ) -> BudgetResult:
   """A plan whose inputs plus live intermediates at their peak fit the budget.
 
   The peak's live set depends on the plan, so the constraint is posed on the values
-  live at the current plan's peak, solved (`solve_within(tables)`), and re-posed at
-  the new plan's peak until the plan fits.
+  live at the current plan's peak, solved, and re-posed at the new plan's peak until
+  the plan fits.
 
   Args:
     initial: the unconstrained plan to start from.
-    solve_within: memory tables -> the best plan within the budget on them.
+    solve_within: the memory tables of every peak posed so far, newest last -> the
+      best plan within the budget on them (on the newest alone, or on all at once).
 
   Returns:
     The plan that fits (`fits=True`), or else the leanest plan seen.
   """
-  current, leanest = initial, None
+  current, leanest, posed = initial, None, ()
   for _ in range(BUDGET_ROUNDS):
     used, at, choice = memory_used(problem, acts, memory, current.assignment)
     if leanest is None or used < leanest[0]:
       leanest = (used, current, choice)
     if used <= budget:
       return dataclasses.replace(current, fits=True, used_bytes=used)
-    step = solve_within(memory + activation_tables(problem, acts, at))
+    posed += (memory + activation_tables(problem, acts, at),)
+    step = solve_within(posed)
     if step.assignment is None:
       break
     if not step.fits:  # the leanest plan the bisection reached

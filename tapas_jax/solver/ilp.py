@@ -1,7 +1,8 @@
 """The unfolded reference: the same objective as one integer program, solved by HiGHS.
 
 Alpa-style: one-hot per class, a one-hot per op table over the joint choice of the
-classes it touches, and (under a budget) a hard memory row.
+classes it touches, and (under a budget) hard memory rows: one per activation peak the
+budget has been posed at, so a plan fixed at one peak cannot move the excess to another.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class IlpResult:
   status: str
 
 
-def solve_ilp(factors, domain_size: Mapping[int, int], memory, budget: float | None,
+def solve_ilp(factors, domain_size: Mapping[int, int], memory_rows, budget: float | None,
               time_limit: float | None) -> IlpResult:
   """The same objective as one integer program (local-polytope form), solved by HiGHS.
 
@@ -38,6 +39,10 @@ def solve_ilp(factors, domain_size: Mapping[int, int], memory, budget: float | N
   several classes gets continuous y[f, idx] >= 0 whose marginals equal the x of each
   class; with x integral, y is the indicator of the joint choice. Forbidden entries
   (an op split twice over one axis) get y = 0.
+
+  Args:
+    memory_rows: lists of (scope, table) memory terms; under a budget, each list sums
+      to at most `budget`.
   """
   from scipy import optimize, sparse  # noqa: PLC0415 - only the reference needs it
 
@@ -62,10 +67,12 @@ def solve_ilp(factors, domain_size: Mapping[int, int], memory, budget: float | N
     add_row([(xoff[c] + k, 1.0) for k in range(domain_size[c])], 1.0, 1.0)
   yoff = {}
   merged = merge(factors)
-  memory_merged = merge([(sc, t) for sc, t in memory if sc]) if budget is not None else {}
-  for scope, table in memory_merged.items():
-    if len(scope) > 1 and scope not in merged:
-      merged[scope] = np.zeros_like(table)  # y variables to express the memory row
+  rows_merged = ([merge([(sc, t) for sc, t in memory if sc]) for memory in memory_rows]
+                 if budget is not None else [])
+  for memory_merged in rows_merged:
+    for scope, table in memory_merged.items():
+      if len(scope) > 1 and scope not in merged:
+        merged[scope] = np.zeros_like(table)  # y variables to express the memory row
   for scope, table in merged.items():
     if len(scope) == 1:
       flat = np.where(np.isfinite(table), table, 0.0)
@@ -83,7 +90,7 @@ def solve_ilp(factors, domain_size: Mapping[int, int], memory, budget: float | N
         hits = np.flatnonzero(idx[:, j] == k)
         add_row([(n + int(h), 1.0) for h in hits] + [(xoff[c] + k, -1.0)], 0.0, 0.0)
     n += flat.size
-  if budget is not None:
+  for memory, memory_merged in zip(memory_rows if budget is not None else (), rows_merged):
     entries = {}
     for scope, table in memory_merged.items():
       if len(scope) == 1:

@@ -42,12 +42,12 @@ from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["MODEL_AXIS_NAMES", "DimClass", "Problem", "batch_inputs", "build_problem",
-           "default_batch_axes", "update_ops", "warn_batch_unsplit", "with_batch_axes"]
+           "data_axes", "default_batch_axes", "update_ops", "warn_batch_unsplit", "with_batch_axes"]
 
-# Mesh axis names that say an axis carries the model, not the batch: tensor, expert,
-# sequence and pipeline parallelism (MaxText, Megatron, praxis and t5x spellings). Every
-# other axis (data, dp, fsdp, batch, replica, or a name not known here) may split the
-# batch: naming an axis "model" is how a user says "not the batch".
+# Mesh axis names that say an axis is meant for the model, not the batch: tensor,
+# expert, sequence and pipeline parallelism (MaxText, Megatron, praxis and t5x
+# spellings). Expert layouts (the Megatron baseline) read roles from these names; the
+# search does not: it may put the batch on any axis unless told otherwise.
 MODEL_AXIS_NAMES = frozenset({
     "model", "mp", "tp", "tensor", "tensor_parallel", "expert", "experts", "ep",
     "seq", "sequence", "sp", "context", "cp", "pipe", "pipeline", "pp", "stage"})
@@ -164,8 +164,19 @@ class _UnionFind:
 
 
 def default_batch_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
-  """The mesh axes that may split the batch unless the user says otherwise: every axis
-  whose name does not say it carries the model (`MODEL_AXIS_NAMES`)."""
+  """The mesh axes that may split the batch unless the user says otherwise: all of them.
+
+  Names are labels, not orders: FSDP over a whole slice (the batch and the parameters
+  over every axis, MaxText's default on TPU) must be in the search's space whatever
+  the axes are called, and it wins over tensor parallelism up to ~100B parameters.
+  `batch_axes=` restricts it.
+  """
+  return tuple(mesh.axis_names)
+
+
+def data_axes(mesh: costlib.MeshSpec) -> tuple[str, ...]:
+  """The axes an expert layout gives the batch: every axis whose name does not say it
+  is meant for the model (`MODEL_AXIS_NAMES`)."""
   return tuple(a for a in mesh.axis_names if a.lower() not in MODEL_AXIS_NAMES)
 
 

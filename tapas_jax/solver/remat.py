@@ -231,7 +231,19 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
   else:
     combos = [(p,) * len(layers) for p in POLICIES]
   best = None
-  for combo in combos:
+  plain = attempt(tables, acts)
+  if not layers:
+    return plain, {}, tables, acts
+  if plain.assignment is not None:
+    step = evaluate_tables(tables, plain.assignment)[0]
+    # Remat only adds cost tables: when the budget does not bind (the unconstrained
+    # optimum fits), no policy can beat the plain plan.
+    if plain.fits and step <= evaluate_tables(
+        tables, attempt(tables, None).assignment)[0] * (1 + 1e-12):
+      return plain, {}, tables, acts
+    best = ((not plain.fits, step if plain.fits else plain.used_bytes), plain, {}, tables,
+            acts)
+  for combo in combos[1:]:
     modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
     remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
     tabs = tables + recompute_tables(problem, builder, remats)
@@ -244,7 +256,7 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
     if best is None or key < best[0]:
       best = (key, result, modes, tabs, here)
   if best is None:
-    return attempt(tables, acts), {}, tables, acts
+    return plain, {}, tables, acts
   return best[1:]
 
 

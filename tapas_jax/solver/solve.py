@@ -177,10 +177,10 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
       result = BudgetResult(run([], 0.0), fits=True, status=status)
       if acts is None:
         return result
-      result = within_budget(
+      result = within_budget(  # the Lagrange weight on the newest peak's tables
           problem, acts, result, objective.memory, budget,
-          lambda memory, run=run, status=status: dataclasses.replace(
-              fit_budget(lambda w: run(memory, w), memory, budget), status=status))
+          lambda posed, run=run, status=status: dataclasses.replace(
+              fit_budget(lambda w: run(posed[-1], w), posed[-1], budget), status=status))
       if not result.fits:
         return result
       return dataclasses.replace(result, assignment=repair(
@@ -193,23 +193,24 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
 
 def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
             ) -> BudgetResult:
-  """The integer program, re-posed at the activation peak under a budget."""
+  """The integer program, with a budget row at every activation peak it has met."""
   sizes = objective.domain_size
   factors = objective.factors()
 
-  def ilp(memory, limit) -> BudgetResult:
-    rows = [(tuple(c for c in t.scope if c in sizes), restrict(t.scope, t.value, sizes))
-            for t in memory]
+  def ilp(rows, limit) -> BudgetResult:
+    rows = [[(tuple(c for c in t.scope if c in sizes), restrict(t.scope, t.value, sizes))
+             for t in memory] for memory in rows]
     out = solve_ilp(factors, sizes, rows, limit, time_limit)
     return BudgetResult(out.assignment, fits=out.assignment is not None, status=out.status)
 
-  first = ilp(objective.memory, None)
+  first = ilp([objective.memory], None)
   if first.assignment is None:  # no budget row: only "infeasible" can get here
     return dataclasses.replace(first, fits=False)
   if acts is None:
     return first
+  # A hard row per peak posed so far: the plan must fit at every one of them.
   return within_budget(problem, acts, first, objective.memory, budget,
-                       lambda memory: ilp(memory, budget))
+                       lambda posed: ilp(posed, budget))
 
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],

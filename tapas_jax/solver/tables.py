@@ -1,10 +1,17 @@
 """Per-op cost tables: an op's predicted time as a function of the classes it touches.
 
-Cost = sum over ops of compute (FLOPs / shards / peak) and the collectives on its input
-edges (`cost.reshard` from the producer's layout, partial sums included, to the layout
-the op needs), the cuts between the state update and the compute, plus state carried
-from outputs back to inputs. Each op's cost depends only on the few classes it touches,
-so the objective is a sum of small tables over class variables.
+Cost = sum over ops of compute and the collectives on its input edges (`cost.reshard`
+from the producer's layout, partial sums included, to the layout the op needs), the cuts
+between the state update and the compute, plus state carried from outputs back to
+inputs. Each op's cost depends only on the few classes it touches, so the objective is a
+sum of small tables over class variables.
+
+Compute is a roofline: max(FLOPs per device / peak, bytes moved per device / HBM
+bandwidth), where the bytes are the op's operands and results as one device holds them
+under the split, counting only values XLA writes to memory (`fusion.py`: an elementwise
+chain fused into its reader moves its operands once, not once per op). Norms, softmax and
+other memory-bound ops so cost time, and splitting them saves it. Ops no output depends
+on cost nothing (XLA removes them).
 
 Partial sums (a dot_general or reduction whose contracted dim is split) are reduced
 once, where they are made, into the layout their readers get: XLA's SPMD partitioner
@@ -28,6 +35,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import cost as costlib
+from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.trace import Op
 
@@ -75,6 +83,10 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
+    top = g.region_ops(0)
+    live = live_ops(g, top)
+    self.dead = {op.index for op in top} - live
+    self.unwritten = fused_values(g, top, live)  # values that never reach memory
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
@@ -158,6 +170,8 @@ class TableBuilder:
     primitive, a loop kept whole) couples nothing, so each input edge gets a table of
     its own: one joint table over every operand's classes would grow without bound.
     """
+    if op.index in self.dead:
+      return []
     if self.p.rules[op.index].factor_sizes:
       return [self.op_table(op)]
     return [self.op_table(op, only=k) for k in range(len(op.inputs))]
@@ -178,8 +192,24 @@ class TableBuilder:
       dst_dims = self.operand_classes(op, k)
       edges.append((g.types[v], src_dims, None, dst_dims))
     flops = rule.flops if only in (None, 0) else 0.0
+    traffic = self.traffic(op) if only in (None, 0) else []
     return self._table(("op", op.signature, only), fclass, flops, g.types[op.outputs[0]]
-                       if op.outputs else None, edges)
+                       if op.outputs else None, edges, traffic)
+
+  def traffic(self, op: Op) -> list[tuple[int, tuple[int | None, ...]]]:
+    """(bytes, class per dim) of each operand the op reads from memory, in the layout
+    it reads it, and each result it writes, as it makes it."""
+    p, g = self.p, self.p.graph
+    rule, fclass = p.rules[op.index], self.factor_classes(op)
+    out = []
+    for v, dims in zip(op.inputs, rule.inputs):
+      if v not in g.literals and g.types[v].shape and p.cv(v) not in self.unwritten \
+          and v not in self.unwritten:
+        out.append((g.types[v].nbytes, tuple(None if f is None else fclass[f] for f in dims)))
+    for v, dims in zip(op.outputs, rule.outputs):
+      if g.types[v].shape and v not in self.unwritten:
+        out.append((g.types[v].nbytes, tuple(None if f is None else fclass[f] for f in dims)))
+    return out
 
   def resolve_table(self, v: int) -> Table | None:
     """The one reduction of a partial value, in its producer's layout.
@@ -217,7 +247,7 @@ class TableBuilder:
     return self._table(("cut",), [], 0.0, None,
                        [(self.p.graph.types[v], src_dims, partial, dst)])
 
-  def _table(self, kind, fclass, flops, out_type, edges) -> Table | None:
+  def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: list[int] = []
 
     def pos(c):
@@ -235,19 +265,20 @@ class TableBuilder:
       return None if e is None else ("r", tuple(pos(c) for c in e[1]))
 
     epos = [(t, place(src), expr_pos(partial), place(dst)) for t, src, partial, dst in edges]
-    if not scope and not flops:
+    tpos = tuple((n, place(dims)) for n, dims in traffic)
+    if not scope and not flops and not tpos:
       return None
     domains = tuple(self.p.domains[c] for c in scope)
-    key = (kind, tuple(fpos), tuple(epos), domains, flops, out_type)
+    key = (kind, tuple(fpos), tuple(epos), domains, flops, out_type, tpos)
     cached = self.cache.get(key) if self.reuse else None
     if cached is None:
-      cached = self._compute(fpos, flops, out_type, epos, domains)
+      cached = self._compute(fpos, flops, out_type, epos, domains, tpos)
       self.built += 1
       if self.reuse:
         self.cache[key] = cached
     return Table(tuple(scope), *cached)
 
-  def _compute(self, fpos, flops, out_type, epos, domains):
+  def _compute(self, fpos, flops, out_type, epos, domains, traffic=()):
     p = self.p
     shape = tuple(len(d) for d in domains)
     t = np.zeros(shape)
@@ -260,7 +291,8 @@ class TableBuilder:
         t[idx] = np.inf  # one op split twice over one mesh axis
         continue
       shards = math.prod(p.mesh.size(a) for k in split for a in axes[k])
-      total = costlib.compute_time(flops / shards, p.profile, dtype) if flops else 0.0
+      total = costlib.roofline_time(
+          flops / shards, _moved(traffic, axes, p.mesh), p.profile, dtype)
       sent = 0.0
       for ttype, src, partial, dst in epos:
         src_d = src.dims if isinstance(src, costlib.Layout) else mesh_dims(src, axes)
@@ -274,6 +306,12 @@ class TableBuilder:
         sent += edge[1]
       t[idx], b[idx] = total, sent
     return t, b
+
+
+def _moved(traffic, axes, mesh) -> float:
+  """Per-device bytes of (bytes, dim scope positions) tensors under a choice of axes."""
+  return sum(n / math.prod(mesh.size(a) for d in mesh_dims(dims, axes) for a in d)
+             for n, dims in traffic)
 
 
 @functools.lru_cache(maxsize=1 << 18)

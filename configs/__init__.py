@@ -1,0 +1,1 @@
+"""Launcher configs: `python scripts/train.py --config=configs/gpt2.py:tiny`."""

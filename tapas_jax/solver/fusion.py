@@ -1,0 +1,79 @@
+"""Which intermediates XLA writes out: dead code dropped, elementwise chains fused.
+
+The memory model (`memory.py`) counts only values XLA keeps in memory, and the roofline
+compute time (`tables.py`) charges an op only for the bytes it reads and writes to
+memory. Both follow XLA's own rules: code no output depends on is removed, and
+elementwise and data-movement ops are fused into the reader that consumes them
+(duplicated into several readers when cheap), so their results are never written out.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import trace
+  >>> from tapas_jax.solver import fusion
+  >>> g = trace.trace(lambda x: jnp.sum(jnp.tanh(x) * 2.0),
+  ...                 jax.ShapeDtypeStruct((8, 4), jnp.float32))
+  >>> top = g.region_ops(0)
+  >>> [g.ops[g.producer[v]].primitive
+  ...  for v in sorted(fusion.fused_values(g, top, fusion.live_ops(g, top)))]
+  ['tanh', 'mul']
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tapas_jax import rules as ruleslib
+from tapas_jax.trace import Graph, Op
+
+__all__ = ["fused_values", "live_ops"]
+
+
+def live_ops(graph: Graph, top: Sequence[Op]) -> set[int]:
+  """The top-level ops whose results reach an output: XLA removes the rest (the
+  tangent of a constant a jvp broadcasts and never reads, say)."""
+  needed = set(graph.outputs)
+  live = set()
+  for op in reversed(top):
+    if not op.outputs or any(v in needed for v in op.outputs):
+      live.add(op.index)
+      needed.update(op.inputs)
+  return live
+
+
+# Ops XLA fuses into their readers (loop fusion) rather than writing out: elementwise
+# maps and data movement.
+_FUSIBLE = frozenset(ruleslib.ELEMENTWISE + ruleslib.IDENTITY + (
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose",
+    "slice", "concatenate", "pad", "rev", "dynamic_slice"))
+# Readers a fusible op fuses into: fusible ops and reductions (a fusion's root).
+_FUSING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                      "reduce_and", "reduce_or", "argmax", "argmin"}
+# Fusible ops XLA does not duplicate into several readers (its IsExpensive list):
+# with more than one reader their result is written out.
+_EXPENSIVE = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "div", "rem", "sqrt",
+    "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan",
+    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma",
+    "digamma", "igamma", "igammac", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
+    "regularized_incomplete_beta", "random_gamma_grad", "threefry2x32"})
+
+
+def fused_values(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]:
+  """Values XLA computes inside their readers' fusions and never writes out.
+
+  A fusible op's result is fused into its readers when every live reader is a fusion
+  that can take it (fusible or a reduction) and it is cheap or read once; it is not
+  fused into a program output.
+  """
+  outputs = set(graph.outputs)
+  out = set()
+  for op in top:
+    if op.index not in live or op.primitive not in _FUSIBLE or op.subregions:
+      continue
+    for v in op.outputs:
+      readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
+      if (v not in outputs and readers
+          and all(r.primitive in _FUSING and not r.subregions for r in readers)
+          and (op.primitive not in _EXPENSIVE or len(readers) == 1)):
+        out.add(v)
+  return out

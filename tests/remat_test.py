@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tapas_jax as tapas
-from tapas_jax import api, fold, models, plan_file, solver, trace
+from tapas_jax import api, cost, fold, models, plan_file, solver, trace
 from tapas_jax.solver import memory, remat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -100,7 +100,14 @@ def _budgeted():
 
 def test_remat_is_chosen_only_when_a_budget_needs_it():
   free, budget, plan = _budgeted()
+  # The default budget (the device's memory) does not bind at this size: no remat, and
+  # the plan fits it.
   assert free.remat == ()
+  assert free.stats.predicted_memory_bytes <= api.default_budget(cost.get_profile("cpu"))
+  _, step, args = _gpt()
+  unlimited = tapas.search(step, *args, mesh=MESH, device="cpu", memory_budget=float("inf"))
+  assert unlimited.remat == ()
+  assert unlimited.stats.predicted_step_s == free.stats.predicted_step_s
   # Without remat no plan fits this budget ...
   with pytest.raises(solver.InfeasibleBudgetError):
     solver.solve(_prepared().problem, memory_budget=budget)
@@ -111,7 +118,6 @@ def test_remat_is_chosen_only_when_a_budget_needs_it():
   assert plan.stats.predicted_step_s > free.stats.predicted_step_s
   assert f"rematerialise Block: jax.checkpoint policy {plan.remat[0][1]}" in plan.summary()
   # A budget the free plan meets needs no remat: remat only costs time.
-  _, step, args = _gpt()
   roomy = tapas.search(step, *args, mesh=MESH, device="cpu",
                        memory_budget=1.01 * free.stats.predicted_memory_bytes)
   assert roomy.remat == ()

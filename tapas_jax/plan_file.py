@@ -202,7 +202,7 @@ def _tree_json(tree: Any, where: str) -> Any:
 
 def to_json(plan: planlib.Plan) -> dict[str, Any]:
   """The plan as JSON-ready data (dicts, lists, strings, numbers)."""
-  return {
+  out = {
       "schema": SCHEMA,
       "version": VERSION,
       "name": plan.name,
@@ -229,8 +229,10 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
                                         (("step_s", b.step_s), ("comm_bytes", b.comm_bytes),
                                          ("memory_bytes", b.memory_bytes))}}
                     for b in plan.baselines],
-      "remat": [[layer, policy] for layer, policy in plan.remat],
   }
+  if plan.remat:  # only then: a plan without remat stays readable by older releases
+    out["remat"] = [[layer, policy] for layer, policy in plan.remat]
+  return out
 
 
 def save(plan: planlib.Plan, path: str | os.PathLike) -> None:

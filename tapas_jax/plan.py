@@ -298,6 +298,9 @@ class Plan:
     out.append(_html_table(["layout", "step ms", "sent MiB/device", "memory GiB/device"],
                            [(n, f"{t * 1e3:.3f}", f"{b / 2**20:.2f}", f"{m / 2**30:.3f}")
                             for n, t, b, m in self._figures()]))
+    if self.remat:
+      out.append(_html_table(["rematerialised layer", "jax.checkpoint policy"],
+                             list(self.remat)))
     out.append(_html_table(["dimension", "size", "axes", "why"],
                            [(d.name, d.size, "×".join(d.axes) or "-", d.why)
                             for d in self.decisions]))

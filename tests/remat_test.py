@@ -117,6 +117,7 @@ def test_remat_is_chosen_only_when_a_budget_needs_it():
   assert plan.stats.predicted_memory_bytes <= budget
   assert plan.stats.predicted_step_s > free.stats.predicted_step_s
   assert f"rematerialise Block: jax.checkpoint policy {plan.remat[0][1]}" in plan.summary()
+  assert f"<td>{plan.remat[0][1]}</td>" in plan._repr_html_()
   # A budget the free plan meets needs no remat: remat only costs time.
   roomy = tapas.search(step, *args, mesh=MESH, device="cpu",
                        memory_budget=1.01 * free.stats.predicted_memory_bytes)
@@ -204,3 +205,21 @@ def test_compiled_memory_falls_with_remat():
   assert run.returncode == 0, run.stderr[-2000:]
   temp = json.loads(run.stdout.strip().splitlines()[-1])
   assert temp["nothing_saveable"] < temp["everything_saveable"], temp
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_every_layer_rematerialised_still_computes_the_unsharded_step(family):
+  """Other layer kinds (RMSNorm and rotary embeddings; T5's two unique layers and
+  cross attention), every unique layer recomputed whole."""
+  m = models.get_model(family, "tiny")
+  step = functools.partial(_sgd_step, m.loss_fn())
+  state = m.init(jax.random.key(0))
+  args = (state.params, state.model_state, m.make_batch(jax.random.key(1), 8))
+  plan = tapas.search(step, *args, mesh=MESH, device="cpu")
+  layers = [u.name for u in api.prepare(step, args, mesh=MESH, device="cpu")
+            .folded.unique_layers]
+  plan = dataclasses.replace(plan, remat=tuple((n, "nothing_saveable") for n in layers))
+  got = tapas.apply(plan, step)(*tapas.place(plan, *args))
+  want = jax.jit(step)(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,10 @@ Approximations (stated, not hidden):
   recomputed value to their last backward reader; XLA may schedule them otherwise;
 - ops holding loops or branches (a scanned layer stack among them) are never
   recomputed: they stay saved, so a `nn.scan` stack gets no remat here;
-- without a budget remat only costs time, so it is chosen only under a budget.
+- without a budget remat only costs time, so it is chosen only under a budget;
+- the originals' new last reader is the last reader left, without the reach a value
+  gets from fused readers (`memory.activations`); a recomputed value the activation
+  model treats as fused (never written out) gains nothing and costs no copy.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -185,11 +188,14 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         extra_values.append(v)
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
-  return Activations(
-      np.concatenate([start, np.array(extra_start, int)]),
-      np.concatenate([stop, np.array(extra_stop, int)]),
-      np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
-      acts.dims + tuple(extra_dims), acts.length, acts.values + tuple(extra_values))
+  # A recomputed copy is an op's output, never a gathered parameter: stored None.
+  stored = acts.stored or (None,) * len(acts.dims)
+  return dataclasses.replace(
+      acts, start=np.concatenate([start, np.array(extra_start, int)]),
+      stop=np.concatenate([stop, np.array(extra_stop, int)]),
+      nbytes=np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
+      dims=acts.dims + tuple(extra_dims), values=acts.values + tuple(extra_values),
+      stored=tuple(stored) + (None,) * len(extra_values))
 
 
 def recompute_tables(problem: Problem, builder: TableBuilder,

@@ -197,7 +197,7 @@ def test_compiled_memory_falls_with_remat():
   """XLA:CPU's default scheduler optimises concurrency, not memory: under it no remat
   (ours, `jax.checkpoint`'s, a hand-written `custom_vjp`'s) changes the temporaries.
   With the memory-minimising scheduler the remat'ed step takes less, but far less
-  less than predicted (measured here: 11.95 -> 11.63 MiB of temporaries, where the
+  than predicted (measured here: 11.95 -> 11.63 MiB of temporaries, where the
   model predicts an activation peak of 13.0 -> 3.4 MiB; a hand-written `custom_vjp`
   remat of 8 layers saves nothing on XLA:CPU either). So this checks the direction
   only; the size of the saving wants a GPU/TPU compile. XLA flags are read once per

@@ -262,12 +262,13 @@ def test_scan_body_is_searched_with_its_trip_count():
   assert step[6] - step[4] == pytest.approx(step[4] - step[2], rel=1e-9)
   assert step[4] - step[2] > 0
   # The unrolled program gets the same layout and sends the same bytes. Its step differs
-  # only by the ops scanning adds or removes (slicing the stacked parameters, stacking
-  # their gradients): measured 2e-4.
+  # only by the ops scanning adds (slicing the stacked parameters per iteration,
+  # stacking residuals and gradients), which the roofline charges as HBM traffic:
+  # measured +6.5% for the scan; before the roofline (FLOPs only) 2e-4.
   flat = _gpt2_small_plan(4, scan_layers=False)
   assert _spec(flat, "params/Block_0/MLP/fc1/kernel") == PartitionSpec(None, "model")
   assert scanned[4].stats.predicted_comm_bytes == flat.stats.predicted_comm_bytes
-  assert step[4] == pytest.approx(flat.stats.predicted_step_s, rel=1e-3)
+  assert flat.stats.predicted_step_s <= step[4] <= 1.1 * flat.stats.predicted_step_s
 
 
 def test_rediscovers_megatron_on_llama_with_grouped_query_attention():
@@ -321,7 +322,8 @@ def test_memory_pressure_stores_state_split_over_the_data_axis():
   gathered = [(path, dict(layer.param_specs)[path], use) for layer in tight.layers
               for path, use in layer.use_specs]
   assert any(_axes(stored) - _axes(use) for _, stored, use in gathered), gathered
-  assert "used as P(" in tight.summary()
+  assert any(layer.use_specs for layer in tight.layers)
+  assert "(used as)" in tight.summary()
   # Expert FSDP (state split over every axis) takes more memory than the budget and
   # is slower than the budgeted plan: the search's plan dominates it.
   fsdp = baselines.baseline("fsdp", *args, mesh=MESHES["2d"], device="h100", family="gpt")
@@ -348,8 +350,10 @@ def _axes(spec):
 def test_memory_budget_counts_live_activations():
   m = models.get_model("gpt", "gpt2-small", num_layers=2)
   args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
-  free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
-  # Enough for all the inputs replicated, not for the activations of this plan.
+  free = tapas.search(*args, mesh=MESHES["2d"], device="h100", batch_axes="data",
+                      memory_budget=float("inf"))
+  # Enough for all the inputs replicated, not for the activations of the plan with the
+  # batch on data alone.
   budget = 0.9 * free.stats.predicted_memory_bytes
   assert budget > sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1:]))
   try:
@@ -402,7 +406,9 @@ def test_unknown_primitive_is_replicated_with_one_warning():
   # The batch still splits; the product is gathered whole for the unknown op: an
   # all-gather of (4096, 256) float32 sends 7/8 of it from each device.
   assert plan.in_specs == (PartitionSpec(None, None), PartitionSpec("data", None))
-  assert plan.stats.predicted_comm_bytes == 7 / 8 * 4096 * 256 * 4
+  # Then the rest runs split too (memory-bound ops cost HBM time the split divides), so
+  # the scalar sum is all-reduced: 2 * 7/8 * 4 bytes more.
+  assert plan.stats.predicted_comm_bytes == 7 / 8 * 4096 * 256 * 4 + 2 * 7 / 8 * 4
 
 
 def _batch_specs(plan, arg):

@@ -124,7 +124,7 @@ BAD = [
     ("bad_budget", lambda p: ["--memory_budget=lots"], "--memory_budget=lots"),
     ("unknown_device", lambda p: ["--device=tpu-v9"], "tpu-v9"),
     ("unwritable_workdir", lambda p: [_unwritable(p)], "not a writable directory"),
-    ("does_not_fit", lambda p: ["--batch_size=4194304"], "does not fit"),
+    ("does_not_fit", lambda p: ["--batch_size=4194304"], "cannot be met"),  # by the search
 ]
 
 

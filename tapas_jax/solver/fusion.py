@@ -28,10 +28,12 @@ from tapas_jax.trace import Graph, Op
 __all__ = ["fused_values", "live_ops"]
 
 
-def live_ops(graph: Graph, top: Sequence[Op]) -> set[int]:
-  """The top-level ops whose results reach an output: XLA removes the rest (the
-  tangent of a constant a jvp broadcasts and never reads, say)."""
-  needed = set(graph.outputs)
+def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = None
+             ) -> set[int]:
+  """The ops of one region (the top level, or a loop body with its `outputs`) whose
+  results reach an output: XLA removes the rest (the tangent of a constant a jvp
+  broadcasts and never reads, say)."""
+  needed = set(graph.outputs if outputs is None else outputs)
   live = set()
   for op in reversed(top):
     if not op.outputs or any(v in needed for v in op.outputs):
@@ -58,14 +60,15 @@ _EXPENSIVE = frozenset({
     "regularized_incomplete_beta", "random_gamma_grad", "threefry2x32"})
 
 
-def fused_values(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]:
+def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
+                 outputs: Sequence[int] | None = None) -> set[int]:
   """Values XLA computes inside their readers' fusions and never writes out.
 
   A fusible op's result is fused into its readers when every live reader is a fusion
   that can take it (fusible or a reduction) and it is cheap or read once; it is not
-  fused into a program output.
+  fused into an output of its region (the program's, or a loop body's `outputs`).
   """
-  outputs = set(graph.outputs)
+  outputs = set(graph.outputs if outputs is None else outputs)
   out = set()
   for op in top:
     if op.index not in live or op.primitive not in _FUSIBLE or op.subregions:

@@ -37,6 +37,7 @@ import numpy as np
 from tapas_jax import cost as costlib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.views import scan_region
 from tapas_jax.trace import Op
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
@@ -87,6 +88,12 @@ class TableBuilder:
     live = live_ops(g, top)
     self.dead = {op.index for op in top} - live
     self.unwritten = fused_values(g, top, live)  # values that never reach memory
+    for loop in problem.view.loops:  # a scan body fuses as the top level does
+      region = scan_region(g, g.ops[loop])
+      body = [op for op in g.ops if op.region == region.index]
+      live = live_ops(g, body, region.outputs)
+      self.dead |= {op.index for op in body} - live
+      self.unwritten |= fused_values(g, body, live, region.outputs)
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""

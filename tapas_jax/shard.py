@@ -67,14 +67,11 @@ class SearchOptions:
   batch_axes: Any = "default"
   fold: bool = True
 
-  def search(self, fn, args: Sequence[Any], mesh: jax.sharding.Mesh,
-             chosen: bool = False) -> planlib.Plan:
-    """`tapas.search` on `mesh`; `chosen`: the mesh is `default_mesh()`, not the user's."""
-    batch_axes = self.batch_axes
-    if chosen and isinstance(batch_axes, str) and batch_axes == "default":
-      batch_axes = None
+  def search(self, fn, args: Sequence[Any], mesh: jax.sharding.Mesh) -> planlib.Plan:
+    """`tapas.search` on `mesh` (whose axis names are labels: the batch may take any
+    axis by default)."""
     return api.search(fn, *args, mesh=mesh, device=self.device,
-                      memory_budget=self.memory_budget, batch_axes=batch_axes,
+                      memory_budget=self.memory_budget, batch_axes=self.batch_axes,
                       fold=self.fold)
 
 
@@ -100,9 +97,8 @@ def default_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Me
   return make_mesh(axes, devices)
 
 
-def resolve_mesh(mesh: Any) -> tuple[jax.sharding.Mesh, bool]:
-  """The concrete mesh to plan and run on (see `SearchOptions.mesh`), and whether it
-  is `default_mesh()` (chosen here rather than by the user).
+def resolve_mesh(mesh: Any) -> jax.sharding.Mesh:
+  """The concrete mesh to plan and run on (see `SearchOptions.mesh`).
 
   Raises:
     MeshError: the mesh (given or from context) has Explicit axes, or a dict of sizes
@@ -111,13 +107,13 @@ def resolve_mesh(mesh: Any) -> tuple[jax.sharding.Mesh, bool]:
   if mesh is None:
     mesh = jax.sharding.get_mesh()
     if mesh.empty:
-      return default_mesh(), True
+      return default_mesh()
   if isinstance(mesh, Mapping):
-    return make_mesh(dict(mesh)), False
+    return make_mesh(dict(mesh))
   if not isinstance(mesh, jax.sharding.Mesh):
     raise MeshError(f"shard: mesh= must be a jax.sharding.Mesh or a dict of axis sizes, "
                     f"got {type(mesh).__name__}; build one with tapas_jax.make_mesh(...)")
-  return check_auto(mesh), False
+  return check_auto(mesh)
 
 
 def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
@@ -341,11 +337,11 @@ class ShardedFunction:
   # -- planning --------------------------------------------------------------
 
   def _entry(self, args, kwargs):
-    mesh, chosen = resolve_mesh(self.search.mesh)
+    mesh = resolve_mesh(self.search.mesh)
     key, dynamic, abstract, closed, donated = self._split(args, kwargs)
     key = key + (mesh,)
     if key not in self._entries:
-      plan = self.search.search(closed, abstract, mesh, chosen)
+      plan = self.search.search(closed, abstract, mesh)
       applied = apply_plan(plan, closed, mesh=mesh, donate_argnums=donated)
       self._entries[key] = _Entry(plan, applied, _shardings(plan, mesh))
     entry = self._entries[key]

@@ -209,14 +209,14 @@ def _abstract(tree: Any) -> Any:
 def _module_plan(cache: dict, key: Hashable, search: SearchOptions, forward: Callable,
                  params, state, inputs: Sequence[Any], loss_fn, optimizer) -> ModulePlan:
   """The cached or newly searched plan of the train step over abstract arguments."""
-  mesh, chosen = resolve_mesh(search.mesh)
+  mesh = resolve_mesh(search.mesh)
   key = (key, _signature(params), _signature(state), _signature(tuple(inputs)), mesh)
   if key in cache:
     return cache[key]
   optimizer = optimizer if optimizer is not None else optax.adamw(1e-3)
   opt_state = jax.eval_shape(optimizer.init, params)
   step = _train_step(forward, loss_fn or default_loss, optimizer)
-  plan = search.search(step, (params, opt_state, state, *inputs), mesh, chosen)
+  plan = search.search(step, (params, opt_state, state, *inputs), mesh)
   is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
   named = [jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
            for specs in plan.in_specs]

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Mapping
 
@@ -23,8 +24,8 @@ import numpy as np
 
 from tapas_jax.solver.problem import Problem
 
-__all__ = ["MAX_TABLE", "TooEntangled", "eliminate", "merge", "reduced_domains", "restrict",
-           "take"]
+__all__ = ["MAX_TABLE", "TooEntangled", "eliminate", "eliminate_merged", "merge", "merge_into",
+           "reduced_domains", "restrict", "take"]
 
 # Elimination tables above this many entries mean the class graph is too entangled
 # for exact elimination; the search then refuses rather than run for hours.
@@ -36,22 +37,48 @@ class TooEntangled(RuntimeError):
 
 
 def eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
-               domain_size: Mapping[int, int]) -> dict[int, int]:
+              domain_size: Mapping[int, int]) -> dict[int, int]:
   """Exact min-sum variable elimination; returns class -> domain index."""
-  factors = list(merge(factors).items())
+  return eliminate_merged(merge(factors), domain_size)
+
+
+def eliminate_merged(merged: Mapping[tuple[int, ...], np.ndarray],
+                     domain_size: Mapping[int, int]) -> dict[int, int]:
+  """`eliminate` on factors already merged (one table per sorted scope, as `merge`
+  returns them).
+
+  The class eliminated next is the one whose elimination table is smallest (ties: the
+  lowest class id). Neighbour sets and table sizes are kept up to date as factors are
+  replaced rather than recomputed from every factor at every step: a budgeted search
+  eliminates the same problem a hundred times over (`budget.fit_budget`).
+  """
+  # Factors by creation id: a class's factors are summed in that order (the order of
+  # the factor list this replaces), so every sum is the same floating-point sum.
+  factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = dict(enumerate(merged.items()))
   variables = set(domain_size)
-  for scope, _ in factors:
+  for scope, _ in factors.values():
     variables.update(scope)
+  holding: dict[int, list[int]] = {v: [] for v in variables}  # class -> factor ids
+  neighbours: dict[int, set[int]] = {v: set() for v in variables}
+  for f, (scope, _) in factors.items():
+    for v in scope:
+      holding[v].append(f)
+      neighbours[v].update(scope)
+
+  def size(v):
+    return math.prod(domain_size[u] for u in neighbours[v])
+
+  cost = {v: size(v) for v in variables}
+  heap = [(n, v) for v, n in cost.items()]
+  heapq.heapify(heap)
   trail = []
+  next_id = len(factors)
   while variables:
-    neighbours: dict[int, set[int]] = {v: set() for v in variables}
-    for scope, _ in factors:
-      for v in scope:
-        neighbours[v].update(scope)
-    var = min(variables, key=lambda v: (math.prod(domain_size[u] for u in neighbours[v]), v))
-    mine = [f for f in factors if var in f[0]]
-    factors = [f for f in factors if var not in f[0]]
-    scope = tuple(sorted(set().union(*[set(s) for s, _ in mine]) | {var}))
+    n, var = heapq.heappop(heap)
+    if var not in variables or cost[var] != n:
+      continue  # a stale entry: the class was eliminated or its table grew
+    mine = [factors.pop(f) for f in holding.pop(var)]
+    scope = tuple(sorted(neighbours.pop(var) | {var}))
     if math.prod(domain_size[c] for c in scope) > MAX_TABLE:
       raise TooEntangled(f"elimination table over {len(scope)} classes")
     total = np.zeros(tuple(domain_size[c] for c in scope))
@@ -61,8 +88,16 @@ def eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
     axis = scope.index(var)
     rest = tuple(c for c in scope if c != var)
     trail.append((var, rest, np.argmin(total, axis=axis)))
-    factors.append((rest, np.min(total, axis=axis)))
+    factors[next_id] = (rest, np.min(total, axis=axis))
     variables.discard(var)
+    for u in rest:
+      # u's factors among `mine` are replaced by the new one, whose scope holds all
+      # of theirs but `var`.
+      holding[u] = [f for f in holding[u] if f in factors] + [next_id]
+      neighbours[u] = (neighbours[u] | set(rest)) - {var}
+      cost[u] = size(u)
+      heapq.heappush(heap, (cost[u], u))
+    next_id += 1
   assignment: dict[int, int] = {}
   for var, rest, arg in reversed(trail):
     assignment[var] = int(arg[tuple(assignment[c] for c in rest)]) if rest else int(arg)
@@ -98,7 +133,12 @@ def take(factors, keep, sizes):
 
 
 def merge(factors):
-  merged: dict[tuple[int, ...], np.ndarray] = {}
+  """One table per sorted scope: the factors over it summed, in order."""
+  return merge_into({}, factors)
+
+
+def merge_into(merged: dict, factors) -> dict:
+  """Adds factors into `merged` (new arrays: the tables it holds are not written to)."""
   for scope, table in factors:
     order = tuple(sorted(scope))
     if order != scope:

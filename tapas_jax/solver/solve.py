@@ -34,8 +34,8 @@ from tapas_jax import cost as costlib
 from tapas_jax.solver.budget import (BudgetResult, budget_error, fit_budget, repair,
                                      within_budget)
 from tapas_jax.solver.explain import Reason, reasons
-from tapas_jax.solver.eliminate import (TooEntangled, eliminate, reduced_domains, restrict,
-                                        take)
+from tapas_jax.solver.eliminate import (TooEntangled, eliminate_merged, merge, merge_into,
+                                        reduced_domains, restrict, take)
 from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
 from tapas_jax.solver.memory import activations, memory_tables
@@ -154,11 +154,46 @@ class _Objective:
 
   def factors(self, memory: list[Table] = (), weight: float = 0.0):
     """(scope, array) terms of time + weight * memory, fixed classes dropped."""
+    out = self.terms(self.tables)
+    if weight:
+      out += [(s, weight * tab) for s, tab in self.terms(memory)]
+    return out
+
+  def terms(self, tables: list[Table]):
+    """(scope, array) of these tables, fixed classes dropped."""
     sizes = self.domain_size
-    out = [(t.scope, t.value) for t in self.tables if t.scope]
-    out += [(t.scope, weight * t.value) for t in memory if t.scope and weight]
-    out = [(tuple(c for c in s if c in sizes), restrict(s, tab, sizes)) for s, tab in out]
+    out = [(tuple(c for c in t.scope if c in sizes), restrict(t.scope, t.value, sizes))
+           for t in tables if t.scope]
     return [f for f in out if f[0]]
+
+
+class _Weighted:
+  """Time + weight * memory over reduced domains, for elimination at many weights.
+
+  The time terms are restricted and merged once; each weight adds the memory terms
+  to them in the order `eliminate` would (time first, then memory), so every sum is
+  the same floating-point sum as eliminating the whole list from scratch.
+  """
+
+  def __init__(self, objective: _Objective, keep, sizes):
+    self.keep, self.sizes = keep, sizes
+    self.objective = objective
+    self.time = merge(take(objective.factors(), keep, sizes))
+
+  def run(self, memory: list[Table] = (), weight: float = 0.0) -> dict[int, int]:
+    return self.at(memory)(weight)
+
+  def at(self, memory: list[Table]):
+    """weight -> the assignment minimising time + weight * these memory tables."""
+    terms = take(self.objective.terms(memory), self.keep, self.sizes)
+
+    def run(weight: float) -> dict[int, int]:
+      merged = dict(self.time)
+      if weight:
+        merge_into(merged, [(s, weight * tab) for s, tab in terms])
+      picked = eliminate_merged(merged, self.sizes)
+      return {c: self.keep[c][i] for c, i in picked.items()}
+    return run
 
 
 def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> BudgetResult:
@@ -167,20 +202,16 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
   for level in ("full", "single-axis", "batch-only"):
     keep = reduced_domains(problem, level)
     sizes = {c: len(k) for c, k in keep.items() if len(k) > 1}
-
-    def run(memory, weight, keep=keep, sizes=sizes):
-      picked = eliminate(take(objective.factors(memory, weight), keep, sizes), sizes)
-      return {c: keep[c][i] for c, i in picked.items()}
-
     status = "optimal" if level == "full" else f"exact over reduced domains ({level})"
     try:
-      result = BudgetResult(run([], 0.0), fits=True, status=status)
+      weighted = _Weighted(objective, keep, sizes)
+      result = BudgetResult(weighted.run(), fits=True, status=status)
       if acts is None:
         return result
       result = within_budget(  # the Lagrange weight on the newest peak's tables
           problem, acts, result, objective.memory, budget,
-          lambda posed, run=run, status=status: dataclasses.replace(
-              fit_budget(lambda w: run(posed[-1], w), posed[-1], budget), status=status))
+          lambda posed, weighted=weighted, status=status: dataclasses.replace(
+              fit_budget(weighted.at(posed[-1]), posed[-1], budget), status=status))
       if not result.fits:
         return result
       return dataclasses.replace(result, assignment=repair(

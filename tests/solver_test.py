@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 import tapas_jax as tapas
 from tapas_jax import api, models, solver
 from tapas_jax.solver.budget import fit_budget
-from tapas_jax.solver.eliminate import eliminate, merge
+from tapas_jax.solver.eliminate import Schedule, eliminate, merge
 from tapas_jax.solver.ilp import IlpResult, solve_ilp
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
@@ -114,7 +114,7 @@ def _eliminate_reference(factors, domain_size):
   assignment = {}
   for var, rest, arg in reversed(trail):
     assignment[var] = int(arg[tuple(assignment[c] for c in rest)]) if rest else int(arg)
-  return assignment
+  return assignment, [var for var, _, _ in trail]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -123,8 +123,14 @@ def test_elimination_picks_what_the_plain_algorithm_picks(seed):
   # nor any sum: same assignment, ties included (tables rounded to make ties common).
   factors, domain_size = random_objective(seed)
   rounded = [(s, np.round(t)) for s, t in factors]
+  schedule = Schedule(tuple(merge(factors)), domain_size)  # one schedule, many tables
   for fs in (factors, rounded):
-    assert eliminate(fs, domain_size) == _eliminate_reference(fs, domain_size)
+    expected, order = _eliminate_reference(fs, domain_size)
+    assert eliminate(fs, domain_size) == expected
+    assert schedule.run(tuple(merge(fs).values())) == expected
+    assert [step.var for step in schedule.steps] == order
+  with pytest.raises(ValueError, match="tables for"):
+    schedule.run(())
 
 
 def test_elimination_assigns_classes_no_table_mentions():

@@ -16,16 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from tapas_jax.solver.problem import Problem
 
-__all__ = ["MAX_TABLE", "TooEntangled", "eliminate", "eliminate_merged", "merge", "merge_into",
-           "reduced_domains", "restrict", "take"]
+__all__ = ["MAX_TABLE", "Schedule", "TooEntangled", "eliminate", "eliminate_merged", "merge",
+           "merge_into", "reduced_domains", "restrict", "take"]
 
 # Elimination tables above this many entries mean the class graph is too entangled
 # for exact elimination; the search then refuses rather than run for hours.
@@ -45,63 +46,100 @@ def eliminate(factors: list[tuple[tuple[int, ...], np.ndarray]],
 def eliminate_merged(merged: Mapping[tuple[int, ...], np.ndarray],
                      domain_size: Mapping[int, int]) -> dict[int, int]:
   """`eliminate` on factors already merged (one table per sorted scope, as `merge`
-  returns them).
+  returns them)."""
+  return Schedule(tuple(merged), domain_size).run(tuple(merged.values()))
 
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """Eliminating one class: sum `parts` (factor id, shape to broadcast it in) into a
+  table of `shape` over `scope`, minimise over `axis`; the result is a new factor."""
+
+  var: int
+  rest: tuple[int, ...]
+  shape: tuple[int, ...]
+  parts: tuple[tuple[int, tuple[int, ...]], ...]
+  axis: int
+
+
+class Schedule:
+  """The order of variable elimination over factors of given scopes, and the sums it
+  makes; `run` replays it on tables of those scopes.
+
+  The order depends on the scopes and domain sizes alone, never on table values, so
+  a problem solved at many Lagrange weights (`budget.fit_budget`) is scheduled once.
   The class eliminated next is the one whose elimination table is smallest (ties: the
-  lowest class id). Neighbour sets and table sizes are kept up to date as factors are
-  replaced rather than recomputed from every factor at every step: a budgeted search
-  eliminates the same problem a hundred times over (`budget.fit_budget`).
+  lowest class id). Each class's factors are summed in creation order (the given
+  factors first, in order, then those elimination makes), so the same tables give the
+  same sums, bit for bit, however the schedule was reached.
+
+  Raises:
+    TooEntangled: a step's table would exceed `MAX_TABLE` entries.
   """
-  # Factors by creation id: a class's factors are summed in that order (the order of
-  # the factor list this replaces), so every sum is the same floating-point sum.
-  factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = dict(enumerate(merged.items()))
-  variables = set(domain_size)
-  for scope, _ in factors.values():
-    variables.update(scope)
-  holding: dict[int, list[int]] = {v: [] for v in variables}  # class -> factor ids
-  neighbours: dict[int, set[int]] = {v: set() for v in variables}
-  for f, (scope, _) in factors.items():
-    for v in scope:
-      holding[v].append(f)
-      neighbours[v].update(scope)
 
-  def size(v):
-    return math.prod(domain_size[u] for u in neighbours[v])
+  def __init__(self, scopes: Sequence[tuple[int, ...]], domain_size: Mapping[int, int]):
+    self.num_factors = len(scopes)
+    live: dict[int, tuple[int, ...]] = dict(enumerate(scopes))  # factor id -> scope
+    variables = set(domain_size)
+    for scope in scopes:
+      variables.update(scope)
+    holding: dict[int, list[int]] = {v: [] for v in variables}  # class -> factor ids
+    neighbours: dict[int, set[int]] = {v: set() for v in variables}
+    for f, scope in live.items():
+      for v in scope:
+        holding[v].append(f)
+        neighbours[v].update(scope)
+    # Kept up to date as factors are replaced, not recomputed from every factor.
+    cost = {v: math.prod(domain_size[u] for u in neighbours[v]) for v in variables}
+    heap = [(n, v) for v, n in cost.items()]
+    heapq.heapify(heap)
+    steps = []
+    next_id = len(scopes)
+    while variables:
+      n, var = heapq.heappop(heap)
+      if var not in variables or cost[var] != n:
+        continue  # a stale entry: the class was eliminated or its table changed
+      mine = holding.pop(var)
+      scope = tuple(sorted(neighbours.pop(var) | {var}))
+      if math.prod(domain_size[c] for c in scope) > MAX_TABLE:
+        raise TooEntangled(f"elimination table over {len(scope)} classes")
+      parts = tuple((f, tuple(domain_size[c] if c in live[f] else 1 for c in scope))
+                    for f in mine)
+      for f in mine:
+        del live[f]
+      rest = tuple(c for c in scope if c != var)
+      steps.append(_Step(var, rest, tuple(domain_size[c] for c in scope), parts,
+                         scope.index(var)))
+      live[next_id] = rest
+      variables.discard(var)
+      for u in rest:
+        # u's factors among `mine` give way to the new one, whose scope holds all of
+        # theirs but `var`.
+        holding[u] = [f for f in holding[u] if f in live] + [next_id]
+        added = set(rest) - neighbours[u]
+        neighbours[u] = (neighbours[u] | added) - {var}
+        cost[u] = cost[u] // domain_size[var] * math.prod(domain_size[a] for a in added)
+        heapq.heappush(heap, (cost[u], u))
+      next_id += 1
+    self.steps = tuple(steps)
 
-  cost = {v: size(v) for v in variables}
-  heap = [(n, v) for v, n in cost.items()]
-  heapq.heapify(heap)
-  trail = []
-  next_id = len(factors)
-  while variables:
-    n, var = heapq.heappop(heap)
-    if var not in variables or cost[var] != n:
-      continue  # a stale entry: the class was eliminated or its table grew
-    mine = [factors.pop(f) for f in holding.pop(var)]
-    scope = tuple(sorted(neighbours.pop(var) | {var}))
-    if math.prod(domain_size[c] for c in scope) > MAX_TABLE:
-      raise TooEntangled(f"elimination table over {len(scope)} classes")
-    total = np.zeros(tuple(domain_size[c] for c in scope))
-    for s, table in mine:
-      shape = [domain_size[c] if c in s else 1 for c in scope]
-      total = total + table.reshape(shape)
-    axis = scope.index(var)
-    rest = tuple(c for c in scope if c != var)
-    trail.append((var, rest, np.argmin(total, axis=axis)))
-    factors[next_id] = (rest, np.min(total, axis=axis))
-    variables.discard(var)
-    for u in rest:
-      # u's factors among `mine` are replaced by the new one, whose scope holds all
-      # of theirs but `var`.
-      holding[u] = [f for f in holding[u] if f in factors] + [next_id]
-      neighbours[u] = (neighbours[u] | set(rest)) - {var}
-      cost[u] = size(u)
-      heapq.heappush(heap, (cost[u], u))
-    next_id += 1
-  assignment: dict[int, int] = {}
-  for var, rest, arg in reversed(trail):
-    assignment[var] = int(arg[tuple(assignment[c] for c in rest)]) if rest else int(arg)
-  return assignment
+  def run(self, tables: Sequence[np.ndarray]) -> dict[int, int]:
+    """Class -> domain index minimising the sum of `tables` (one per scope, in order)."""
+    if len(tables) != self.num_factors:
+      raise ValueError(f"Schedule.run: {len(tables)} tables for {self.num_factors} scopes")
+    factors = list(tables)
+    trail = []
+    for step in self.steps:
+      total = np.zeros(step.shape)
+      for f, shape in step.parts:
+        total = total + factors[f].reshape(shape)
+      trail.append(np.argmin(total, axis=step.axis))
+      factors.append(np.min(total, axis=step.axis))
+    assignment: dict[int, int] = {}
+    for step, arg in zip(reversed(self.steps), reversed(trail)):
+      rest = step.rest
+      assignment[step.var] = int(arg[tuple(assignment[c] for c in rest)]) if rest else int(arg)
+    return assignment
 
 
 def reduced_domains(problem: Problem, level: str) -> dict[int, list[int]]:

@@ -34,7 +34,7 @@ from tapas_jax import cost as costlib
 from tapas_jax.solver.budget import (BudgetResult, budget_error, fit_budget, repair,
                                      within_budget)
 from tapas_jax.solver.explain import Reason, reasons
-from tapas_jax.solver.eliminate import (TooEntangled, eliminate_merged, merge, merge_into,
+from tapas_jax.solver.eliminate import (Schedule, TooEntangled, merge, merge_into,
                                         reduced_domains, restrict, take)
 from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
@@ -172,13 +172,15 @@ class _Weighted:
 
   The time terms are restricted and merged once; each weight adds the memory terms
   to them in the order `eliminate` would (time first, then memory), so every sum is
-  the same floating-point sum as eliminating the whole list from scratch.
+  the same floating-point sum as eliminating the whole list from scratch. The
+  elimination order depends on the scopes alone: scheduled once per set of scopes.
   """
 
   def __init__(self, objective: _Objective, keep, sizes):
     self.keep, self.sizes = keep, sizes
     self.objective = objective
     self.time = merge(take(objective.factors(), keep, sizes))
+    self._schedules: dict[tuple, Schedule] = {}
 
   def run(self, memory: list[Table] = (), weight: float = 0.0) -> dict[int, int]:
     return self.at(memory)(weight)
@@ -191,7 +193,10 @@ class _Weighted:
       merged = dict(self.time)
       if weight:
         merge_into(merged, [(s, weight * tab) for s, tab in terms])
-      picked = eliminate_merged(merged, self.sizes)
+      scopes = tuple(merged)
+      if scopes not in self._schedules:
+        self._schedules[scopes] = Schedule(scopes, self.sizes)
+      picked = self._schedules[scopes].run(tuple(merged.values()))
       return {c: self.keep[c][i] for c, i in picked.items()}
     return run
 

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from typing import Callable, Mapping
 
+import numpy as np
+
 from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
                                      memory_used)
 from tapas_jax.solver.problem import Problem
@@ -119,18 +121,20 @@ def repair(problem: Problem, acts: Activations, assignment, tables, memory, budg
     for c in t.scope:
       touching.setdefault(c, []).append(t)
 
-  def local(c, k):
-    total = 0.0
+  def local(c, n):
+    """The time of the tables touching c, for each of its n options (others fixed):
+    per option, the same sum in the same order as one entry at a time."""
+    total = np.zeros(n)
     for t in touching.get(c, ()):
-      idx = tuple(k if u == c else assignment.get(u, 0) for u in t.scope)
-      total += float(t.value[idx])
-    return total
+      total = total + t.value[tuple(slice(None) if u == c else assignment.get(u, 0)
+                                    for u in t.scope)]
+    return total.tolist()
 
   assignment = dict(assignment)
   for _ in range(rounds):
     moved = False
     for c, n in sizes.items():
-      costs = [local(c, k) for k in range(n)]
+      costs = local(c, n)
       now = costs[assignment.get(c, 0)]
       for k in sorted(range(n), key=costs.__getitem__):
         if costs[k] >= now - 1e-12 * max(1.0, abs(now)):

@@ -186,7 +186,7 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
   """(input, first reader, update) of each donated input XLA copies before its update.
 
   The next state is written into its input's buffer, so XLA's copy insertion keeps the
-  old value in a copy unless every reader of it is ordered before the update, that is
+  old value in a copy unless every reader of it is ordered before the update, that is,
   is an ancestor of the next value in the dataflow. The backward pass's read of a
   weight (`dy @ W.T`, for the layers below) is not, so without anything joining the
   two the whole input is copied. Where the batch is split, the gradients' all-reduces

@@ -9,6 +9,7 @@ intermediates live at the activation peak (outputs that replace donated state ta
 state's buffers; other outputs live to the end).
 
   python scripts/bench_memory.py                      # tiny configs, search + baselines
+  python scripts/bench_memory.py --config small       # SMALL below: real widths, 2 layers
   python scripts/bench_memory.py --models gpt --config gpt2-small --set num_layers=2
 """
 
@@ -25,6 +26,24 @@ import tapas_jax as tapas  # noqa: E402
 from tapas_jax import baselines, measure, models  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
+# `--config small`: each family at a real small model's widths (GPT-2 small, a
+# LLaMA of GPT-2-small width with grouped-query attention, T5-small, ViT-B/16,
+# a GPT-2-small-width MoE, a ResNet with one bottleneck block per stage), trimmed to
+# two layers (one block per stage) and short sequences so each compile takes under a
+# minute on a 2-core CPU. The nnx families trace to the same programs as gpt/llama.
+SMALL = {
+    "gpt": ("gpt2-small", {"num_layers": 2, "seq_len": 256}),
+    "llama": ("llama3-8b", {"num_layers": 2, "seq_len": 256, "vocab_size": 32000,
+                            "d_model": 768, "num_heads": 12, "num_kv_heads": 4,
+                            "d_ff": 2048}),
+    "t5": ("t5-base", {"num_encoder_layers": 2, "num_decoder_layers": 2, "enc_len": 256,
+                       "dec_len": 64, "d_model": 512, "num_heads": 8, "d_kv": 64,
+                       "d_ff": 2048}),
+    "vit": ("vit-b16", {"num_layers": 2}),
+    "moe": ("moe-64e", {"num_layers": 2, "seq_len": 256, "d_model": 768,
+                        "num_heads": 12, "d_ff": 3072, "num_experts": 8}),
+    "resnet": ("resnet-50", {"stage_sizes": (1, 1, 1, 1), "image_size": 64}),
+}
 
 
 def compiled_memory(plan, step, state, batch, mesh) -> measure.Compiled:
@@ -46,24 +65,31 @@ def plans_for(family, step, state, batch, kinds, device):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--models", default=",".join(models.FAMILIES))
+  parser.add_argument("--models", default=None,
+                      help="families (default: the zoo; with --config small, SMALL's)")
   parser.add_argument("--config", default="tiny")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--plans", default="search," + ",".join(baselines.BASELINES))
   parser.add_argument("--device", default="h100")
   parser.add_argument("--set", action="append", default=[],
-                      help="config field override, e.g. num_layers=2 (integers)")
+                      help="config field override, e.g. num_layers=2 or stage_sizes=1,1 "
+                      "(integers, or a tuple of them)")
   args = parser.parse_args()
-  overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
+  overrides = {k: _int_or_tuple(v) for k, v in (item.split("=", 1) for item in args.set)}
+  families = args.models or ",".join(SMALL if args.config == "small" else models.FAMILIES)
   mesh = tapas.make_mesh(MESH)
+  if args.config == "small":
+    for family in families.split(","):
+      print(f"# small {family}: {SMALL[family][0]} with {SMALL[family][1]}")
   print(f"## Predicted vs compiled memory: zoo at config {args.config!r} {overrides or ''}, "
         f"batch "
         f"{args.batch}, mesh {MESH}, {args.device} profile, state donated, jax "
         f"{jax.__version__}")
   print(f"{'model':<10} {'plan':<14} {'pred MiB':>9} {'XLA MiB':>9} {'pred/XLA':>8} "
         f"{'args MiB':>9} {'temp MiB':>9} {'out-alias':>9} {'s':>5}")
-  for family in args.models.split(","):
-    m = models.get_model(family, args.config, **overrides)
+  for family in families.split(","):
+    config, trimmed = SMALL[family] if args.config == "small" else (args.config, {})
+    m = models.get_model(family, config, **{**trimmed, **overrides})
     step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(args.batch)
     kinds = args.plans.split(",")
     for kind, plan in plans_for(family, step, state, batch, kinds, args.device).items():
@@ -75,6 +101,10 @@ def main():
             f"{got.temp_bytes / 2**20:>9.3f} "
             f"{(got.output_bytes - got.alias_bytes) / 2**20:>9.3f} "
             f"{time.perf_counter() - start:>5.1f}", flush=True)
+
+
+def _int_or_tuple(text: str):
+  return tuple(int(x) for x in text.split(",")) if "," in text else int(text)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ memory budget is posed at one plan's peak and re-posed as it moves (`budget.py`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterable, Mapping
@@ -58,13 +59,22 @@ def _bytes_tables(problem: Problem, total: Mapping[tuple[int, ...], float]) -> l
   """Per-device bytes as tables: for each scope, its bytes over the mesh axes chosen."""
   out = []
   for scope, nbytes in total.items():
-    domains = [problem.domains[c] for c in scope]
-    table = np.empty(tuple(len(d) for d in domains))
-    for idx in itertools.product(*(range(len(d)) for d in domains)):
-      axes = {a for k, j in enumerate(idx) for a in domains[k][j]}
-      table[idx] = nbytes / math.prod(problem.mesh.size(a) for a in axes)
+    table = _divide(nbytes, _union_shards(problem.mesh,
+                                          tuple(problem.domains[c] for c in scope)))
     out.append(Table(scope, table, np.zeros_like(table)))
   return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _union_shards(mesh: costlib.MeshSpec, domains) -> np.ndarray:
+  """Devices a value is split over, per choice of these domains: the product of the
+  sizes of every mesh axis chosen (each once). Read-only: shared between calls."""
+  table = np.empty(tuple(len(d) for d in domains), int)
+  for idx in itertools.product(*(range(len(d)) for d in domains)):
+    axes = {a for k, j in enumerate(idx) for a in domains[k][j]}
+    table[idx] = math.prod(mesh.size(a) for a in axes)
+  table.setflags(write=False)
+  return table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +107,16 @@ class Activations:
 
   def unless_of(self, k: int) -> tuple[int, ...]:
     return self.unless[k] if k < len(self.unless) else ()
+
+  @functools.cached_property
+  def kinds(self) -> tuple[tuple[tuple, ...], np.ndarray]:
+    """(distinct (dims, stored, unless) among the entries, each entry's index in
+    them): entries alike take the same share of their bytes under any plan."""
+    stored = self.stored or (None,) * len(self.dims)
+    seen: dict[tuple, int] = {}
+    index = [seen.setdefault((d, s, self.unless_of(k)), len(seen))
+             for k, (d, s) in enumerate(zip(self.dims, stored))]
+    return tuple(seen), np.array(index, int)
 
 
 def activations(problem: Problem) -> Activations:
@@ -231,24 +251,31 @@ def _axes(dims: Iterable[int | None], choice: Mapping[int, tuple[str, ...]]):
   return tuple(out)
 
 
-def _entry_bytes(problem: Problem, nbytes: float, dims, stored,
-                 choice: Mapping[int, tuple[str, ...]], unless=()) -> float:
-  """Per-device bytes of one entry under a choice; a gathered copy laid out as its
-  stored input is the input itself (nothing gathered)."""
+def _shards(mesh: costlib.MeshSpec, dims, stored, choice: Mapping[int, tuple[str, ...]],
+            unless=()) -> int:
+  """Devices one entry is split over under a choice; 0 where it takes no memory (a
+  gathered copy laid out as its stored input is the input itself, nothing gathered;
+  an `unless` class split)."""
   if any(choice.get(c) for c in unless):
-    return 0.0
+    return 0
   axes = _axes(dims, choice)
   if stored is not None and axes == _axes(stored, choice):
-    return 0.0
-  return nbytes / math.prod(problem.mesh.size(a) for d in axes for a in d)
+    return 0
+  return math.prod(mesh.size(a) for d in axes for a in d)
 
 
 def _per_device(problem: Problem, acts: Activations,
                 choice: Mapping[int, tuple[str, ...]]) -> np.ndarray:
-  stored = acts.stored or (None,) * len(acts.dims)
-  return np.array([_entry_bytes(problem, b, d, s, choice, acts.unless_of(k))
-                   for k, (b, d, s) in enumerate(zip(acts.nbytes, acts.dims, stored))],
-                  float)
+  kinds, index = acts.kinds
+  shards = np.array([_shards(problem.mesh, d, s, choice, u) for d, s, u in kinds],
+                    int)[index]
+  return _divide(acts.nbytes, shards)
+
+
+def _divide(nbytes, shards: np.ndarray) -> np.ndarray:
+  """Per-device bytes: nbytes / shards, each entry divided on its own as a Python float
+  would be; 0 where shards is 0 (the entry takes no memory)."""
+  return np.where(shards > 0, nbytes / np.maximum(shards, 1), 0.0)
 
 
 def activation_peak(problem: Problem, acts: Activations,
@@ -284,12 +311,22 @@ def _copy_table(problem: Problem, nbytes: float, dims, stored, unless=()) -> Tab
   """A copy's bytes over its read, stored and `unless` classes (zero where the layouts
   agree or an `unless` class is split)."""
   scope = _scope(problem, tuple(dims) + tuple(stored or ()) + tuple(unless))
-  domains = [problem.domains[c] for c in scope]
-  table = np.empty(tuple(len(d) for d in domains))
+  domains = tuple(problem.domains[c] for c in scope)
+  table = _divide(nbytes, _copy_shards(problem.mesh, scope, domains, tuple(dims), stored,
+                                       tuple(unless)))
+  return Table(scope, table, np.zeros_like(table))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _copy_shards(mesh: costlib.MeshSpec, scope, domains, dims, stored, unless) -> np.ndarray:
+  """`_shards` of a copy entry for every choice of its scope's domains. Read-only:
+  shared between calls."""
+  table = np.empty(tuple(len(d) for d in domains), int)
   for idx in itertools.product(*(range(len(d)) for d in domains)):
     choice = {c: domains[k][j] for k, (c, j) in enumerate(zip(scope, idx))}
-    table[idx] = _entry_bytes(problem, nbytes, dims, stored, choice, unless)
-  return Table(scope, table, np.zeros_like(table))
+    table[idx] = _shards(mesh, dims, stored, choice, unless)
+  table.setflags(write=False)
+  return table
 
 
 def memory_used(problem: Problem, acts: Activations, memory, assignment):

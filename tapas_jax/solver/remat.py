@@ -249,9 +249,14 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
       return plain, {}, tables, acts
     best = ((not plain.fits, step if plain.fits else plain.used_bytes), plain, {}, tables,
             acts)
+  seen = {()}  # the recomputations tried: the plain plan recomputes nothing
   for combo in combos[1:]:
     modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
     remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
+    if tuple(remats) in seen:
+      continue  # policies that recompute the same ops (a layer without dots, say) give
+      # the same plan as an earlier combination, which already won any tie
+    seen.add(tuple(remats))
     tabs = tables + recompute_tables(problem, builder, remats)
     here = with_remat(problem, acts, remats)
     result = attempt(tabs, here)

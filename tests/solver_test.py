@@ -13,6 +13,7 @@ change is intended, regenerate the files and review the diff in git:
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -25,10 +26,11 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import tapas_jax as tapas
-from tapas_jax import api, models, solver
+from tapas_jax import api, cost, models, solver
 from tapas_jax.solver.budget import fit_budget
 from tapas_jax.solver.eliminate import Schedule, eliminate, merge
 from tapas_jax.solver.ilp import IlpResult, solve_ilp
+from tapas_jax.solver import tables
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
 # HiGHS stops once its incumbent is within this relative gap of its bound (scipy's
@@ -319,6 +321,75 @@ def test_reuse_builds_fewer_tables_and_the_same_objective():
   builder = TableBuilder(deeper, reuse=True)
   all_tables(deeper, builder)
   assert builder.built == shared.built
+
+
+class _EntrywiseBuilder(TableBuilder):
+  """Tables as first written: one entry at a time, in Python."""
+
+  def _compute(self, fpos, flops, out_type, epos, domains, traffic=()):
+    p = self.p
+    shape = tuple(len(d) for d in domains)
+    t, b = np.zeros(shape), np.zeros(shape)
+    dtype = out_type.dtype if out_type is not None else "float32"
+    split = sorted({q for q in fpos if q is not None})
+    for idx in itertools.product(*(range(n) for n in shape)):
+      axes = tuple(domains[k][i] for k, i in enumerate(idx))
+      used = [a for k in split for a in axes[k]]
+      if len(used) != len(set(used)):
+        t[idx] = np.inf
+        continue
+      shards = math.prod(p.mesh.size(a) for a in used)
+      moved = sum(n / math.prod(p.mesh.size(a) for d in tables.mesh_dims(dims, axes)
+                                for a in d) for n, dims in traffic)
+      total = cost.roofline_time(flops / shards, moved, p.profile, dtype)
+      sent = 0.0
+      for ttype, src, partial, dst in epos:
+        src_d = src.dims if isinstance(src, cost.Layout) else tables.mesh_dims(src, axes)
+        dst_d = dst.dims if isinstance(dst, cost.Layout) else tables.mesh_dims(dst, axes)
+        edge = tables._edge_cost(ttype.shape, ttype.itemsize, src_d,
+                                 tables._eval_partial(partial, axes), dst_d, p.mesh,
+                                 p.profile)
+        if edge is None:
+          self.impossible = getattr(self, "impossible", 0) + 1
+          total = np.inf
+          break
+        total += edge[0]
+        sent += edge[1]
+      t[idx], b[idx] = total, sent
+    return t, b
+
+
+@pytest.mark.parametrize("family, mesh, fixed", [
+    ("gpt", {"data": 2, "model": 4}, None),
+    ("llama", {"data": 2, "fsdp": 2, "model": 2}, None),
+    # Fixed input layouts (edges from a Layout): dim 0 over "data" ...
+    ("t5", {"data": 2, "model": 4}, "data"),
+    # ... or over an axis the mesh lacks: every edge from those inputs is impossible
+    # (inf, and the bytes of the op's edges before it).
+    ("vit", {"data": 2, "model": 4}, "pipe"),
+    ("resnet", {"data": 4, "model": 2}, None),
+])
+def test_tables_are_the_entrywise_sums_bit_for_bit(family, mesh, fixed):
+  m = models.get_model(family, "tiny")
+  problem = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=mesh,
+                        device="h100").problem
+  layouts = None
+  if fixed:
+    g = problem.graph
+    layouts = {i.value: cost.Layout(((fixed,),) + ((),) * (len(g.types[i.value].shape) - 1))
+               for i in g.inputs if g.types[i.value].shape[:1] and
+               g.types[i.value].shape[0] % mesh.get(fixed, 1) == 0}
+    assert layouts
+  fast = all_tables(problem, TableBuilder(problem, reuse=True, input_layouts=layouts))
+  entrywise = _EntrywiseBuilder(problem, reuse=True, input_layouts=layouts)
+  slow = all_tables(problem, entrywise)
+  assert [t.scope for t in fast] == [t.scope for t in slow]
+  assert any(np.isinf(t.value).any() for t in slow), "some choice clashes: inf entries"
+  assert any(np.any(t.comm > 0) for t in slow), "some choice sends bytes"
+  assert (getattr(entrywise, "impossible", 0) > 0) == (fixed == "pipe")
+  for a, b in zip(fast, slow):
+    assert a.value.shape == b.value.shape
+    assert a.value.tobytes() == b.value.tobytes() and a.comm.tobytes() == b.comm.tobytes()
 
 
 # -- golden plans -----------------------------------------------------------------------

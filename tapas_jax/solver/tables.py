@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -286,39 +285,133 @@ class TableBuilder:
     return Table(tuple(scope), *cached)
 
   def _compute(self, fpos, flops, out_type, epos, domains, traffic=()):
+    """(seconds, bytes sent) over every choice of the scope's domains.
+
+    Built as arrays: each term over the scope positions it depends on, broadcast to
+    the table, the terms added in the order one entry at a time would add them, and
+    each division by a shard count done by Python on the same numbers: every entry is
+    the same float the entry-by-entry sum gives.
+    """
     p = self.p
     shape = tuple(len(d) for d in domains)
-    t = np.zeros(shape)
-    b = np.zeros(shape)
     dtype = out_type.dtype if out_type is not None else "float32"
     split = sorted({q for q in fpos if q is not None})
-    for idx in itertools.product(*(range(n) for n in shape)):
-      axes = tuple(domains[k][i] for k, i in enumerate(idx))
-      if _clash([axes[k] for k in split]):
-        t[idx] = np.inf  # one op split twice over one mesh axis
-        continue
-      shards = math.prod(p.mesh.size(a) for k in split for a in axes[k])
-      total = costlib.roofline_time(
-          flops / shards, _moved(traffic, axes, p.mesh), p.profile, dtype)
-      sent = 0.0
-      for ttype, src, partial, dst in epos:
-        src_d = src.dims if isinstance(src, costlib.Layout) else mesh_dims(src, axes)
-        dst_d = dst.dims if isinstance(dst, costlib.Layout) else mesh_dims(dst, axes)
-        edge = _edge_cost(ttype.shape, ttype.itemsize, src_d, _eval_partial(partial, axes),
-                          dst_d, p.mesh, p.profile)
-        if edge is None:
-          total = np.inf
-          break
-        total += edge[0]
-        sent += edge[1]
-      t[idx], b[idx] = total, sent
+    grid = _Grid(domains, p.mesh)
+    moved = 0
+    for n, dims in traffic:
+      moved = moved + _divided(n, grid.shards(dims))
+    total = _pairwise(lambda s, m: costlib.roofline_time(flops / s, m, p.profile, dtype),
+                      grid.shards(split), moved)
+    sent, failed = 0.0, False
+    for ttype, src, partial, dst in epos:
+      seconds, nbytes, fails = grid.edge(ttype, src, partial, dst, p.profile)
+      total = total + seconds  # inf where the edge cannot be made
+      sent = np.where(failed | fails, sent, sent + nbytes)  # bytes up to the first failure
+      failed = failed | fails
+    clash = grid.clash(split)  # one op split twice over one mesh axis
+    t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
+    b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
 
 
-def _moved(traffic, axes, mesh) -> float:
-  """Per-device bytes of (bytes, dim scope positions) tensors under a choice of axes."""
-  return sum(n / math.prod(mesh.size(a) for d in mesh_dims(dims, axes) for a in d)
-             for n, dims in traffic)
+class _Grid:
+  """Every choice of a table's domains (one per scope position), as broadcastable
+  arrays: a term over some positions has size 1 along the others."""
+
+  def __init__(self, domains, mesh: costlib.MeshSpec):
+    self.domains, self.mesh = domains, mesh
+    self.axes = tuple(a for a in mesh.axis_names
+                      if any(a in entry for d in domains for entry in d))
+
+  def _along(self, q: int, values) -> np.ndarray:
+    shape = [1] * len(self.domains)
+    shape[q] = len(self.domains[q])
+    return np.asarray(values).reshape(shape)
+
+  def _uses(self, positions, axis: str) -> np.ndarray:
+    """How many of these positions' choices hold `axis`."""
+    count = np.zeros((1,) * len(self.domains), int)
+    for q in positions:
+      count = count + self._along(q, [entry.count(axis) for entry in self.domains[q]])
+    return count
+
+  def clash(self, positions) -> np.ndarray:
+    """Whether one mesh axis is chosen twice among these positions (`_clash`)."""
+    out = np.zeros((1,) * len(self.domains), bool)
+    for a in self.axes:
+      out = out | (self._uses(positions, a) > 1)
+    return out
+
+  def shards(self, positions) -> np.ndarray:
+    """Devices a value whose dims sit at these positions is split over: the product of
+    the sizes of the mesh axes chosen, each once (as `mesh_dims` assigns them)."""
+    positions = [q for q in positions if q is not None]
+    out = np.ones((1,) * len(self.domains), int)
+    for a in self.axes:
+      out = out * np.where(self._uses(positions, a) > 0, self.mesh.size(a), 1)
+    return out
+
+  def edge(self, ttype, src, partial, dst, profile):
+    """(seconds, bytes sent, impossible) of one edge over the positions it reads."""
+    mine = set()
+    for dims in (src, dst):
+      if not isinstance(dims, costlib.Layout):
+        mine.update(q for q in dims if q is not None)
+    if partial is not None:
+      mine.update(q for q in partial[1] if q is not None)
+    mine = sorted(mine)
+    label = {q: k for k, q in enumerate(mine)}
+
+    def relabel(dims):
+      if dims is None or isinstance(dims, costlib.Layout):
+        return dims
+      return tuple(None if q is None else label[q] for q in dims)
+
+    seconds, nbytes, fails = _edge_table(
+        ttype.shape, ttype.itemsize, relabel(src),
+        None if partial is None else ("r", relabel(partial[1])), relabel(dst),
+        tuple(self.domains[q] for q in mine), self.mesh, profile)
+    shape = [len(self.domains[q]) if q in label else 1 for q in range(len(self.domains))]
+    return seconds.reshape(shape), nbytes.reshape(shape), fails.reshape(shape)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _edge_table(shape, itemsize, src, partial, dst, domains, mesh, profile):
+  """`_edge_cost` for every choice of `domains` (the edge's own positions, in order):
+  (seconds, inf where impossible; bytes sent; impossible). Read-only: shared."""
+  size = tuple(len(d) for d in domains)
+  seconds, nbytes, fails = np.empty(size), np.zeros(size), np.zeros(size, bool)
+  for idx in itertools.product(*(range(n) for n in size)):
+    axes = tuple(domains[k][i] for k, i in enumerate(idx))
+    src_d = src.dims if isinstance(src, costlib.Layout) else mesh_dims(src, axes)
+    dst_d = dst.dims if isinstance(dst, costlib.Layout) else mesh_dims(dst, axes)
+    edge = _edge_cost(shape, itemsize, src_d, _eval_partial(partial, axes), dst_d, mesh,
+                      profile)
+    if edge is None:
+      seconds[idx], fails[idx] = np.inf, True
+    else:
+      seconds[idx], nbytes[idx] = edge
+  for a in (seconds, nbytes, fails):
+    a.setflags(write=False)
+  return seconds, nbytes, fails
+
+
+def _divided(n, shards: np.ndarray) -> np.ndarray:
+  """n / shards entry by entry, each division Python's on Python numbers (an int over
+  an int rounds once, exactly), as one entry at a time divides."""
+  values, index = np.unique(shards, return_inverse=True)
+  return np.array([n / int(s) for s in values], float)[index].reshape(shards.shape)
+
+
+def _pairwise(fn, x: np.ndarray, y) -> np.ndarray:
+  """fn(x, y) entry by entry (broadcast), called once per distinct pair."""
+  x, y = np.broadcast_arrays(x, np.asarray(y, float))
+  xs, xi = np.unique(x, return_inverse=True)
+  ys, yi = np.unique(y, return_inverse=True)
+  codes, index = np.unique(xi.ravel() * len(ys) + yi.ravel(), return_inverse=True)
+  out = [fn(int(xs[c // len(ys)]) if x.dtype.kind in "iu" else float(xs[c // len(ys)]),
+            float(ys[c % len(ys)])) for c in codes]
+  return np.array(out, float)[index].reshape(x.shape)
 
 
 @functools.lru_cache(maxsize=1 << 18)

@@ -75,6 +75,14 @@ class Schedule:
 
   Raises:
     TooEntangled: a step's table would exceed `MAX_TABLE` entries.
+
+  Example:
+    >>> import numpy as np
+    >>> schedule = Schedule(((0,), (0, 1)), {0: 2, 1: 2})
+    >>> schedule.run((np.array([3.0, 1.0]), np.array([[0.0, 5.0], [4.0, 0.0]])))
+    {1: 1, 0: 1}
+    >>> schedule.run((np.array([0.0, 9.0]), np.array([[0.0, 5.0], [4.0, 0.0]])))
+    {1: 0, 0: 0}
   """
 
   def __init__(self, scopes: Sequence[tuple[int, ...]], domain_size: Mapping[int, int]):

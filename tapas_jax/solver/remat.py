@@ -253,9 +253,10 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
   for combo in combos[1:]:
     modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
     remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
+    # Policies that recompute the same ops as an earlier combination (a layer without
+    # dots, say) give the same plan, and the earlier one already wins any tie.
     if tuple(remats) in seen:
-      continue  # policies that recompute the same ops (a layer without dots, say) give
-      # the same plan as an earlier combination, which already won any tie
+      continue
     seen.add(tuple(remats))
     tabs = tables + recompute_tables(problem, builder, remats)
     here = with_remat(problem, acts, remats)

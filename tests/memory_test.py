@@ -119,3 +119,19 @@ def test_the_default_budget_is_the_devices_memory():
   assert unlimited.stats.predicted_memory_bytes > 100 * 2**30
   with pytest.raises(ValueError, match="memory_budget=0"):
     tapas.search(f, w, x, mesh={"data": 2}, device="h100", memory_budget=0)
+
+
+def test_a_scatter_into_its_operand_is_counted_once():
+  # XLA runs a scatter in place on its operand (the zeros a gather's gradient is
+  # scattered into, say): one buffer, not two, at the scatter.
+  n, d = 4096, 64
+  v = jax.ShapeDtypeStruct((d, 2), F32)  # a reader with a small result
+
+  def f(x, idx, v):
+    z = jnp.zeros((n, d), F32).at[idx].add(x)
+    return jnp.sum(z @ v)
+
+  p = problem_of(f, jax.ShapeDtypeStruct((128, d), F32),
+                 jax.ShapeDtypeStruct((128,), jnp.int32), v, mesh={"data": 1})
+  peak, _ = memory.activation_peak(p, memory.activations(p), {})
+  assert n * d * 4 <= peak < 1.5 * n * d * 4

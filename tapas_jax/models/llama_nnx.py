@@ -62,7 +62,7 @@ class Attention(nnx.Module):
     positions = jnp.arange(length)
     q = llama.apply_rope(q, positions, cfg.rope_theta)
     k = llama.apply_rope(k, positions, cfg.rope_theta)
-    return self.o_proj(llama.attention(q, k, v))
+    return self.o_proj(llama.attend(cfg, q, k, v))
 
 
 class MLP(nnx.Module):

@@ -146,6 +146,7 @@ def activations(problem: Problem) -> Activations:
       dims.append(tuple(None if f is None else problem.vclass(v, d)
                         for d, f in enumerate(rule.outputs[slot])))
       stored.append(None)
+  _hand_over_in_place(g, top, pos, live, values, stop, start)
   for i in g.inputs:
     use = problem.reader_dims.get((problem.cv(i.value), False))
     readers = sorted(pos[c] for c in g.consumers.get(i.value, ()) if c in live and
@@ -160,6 +161,26 @@ def activations(problem: Problem) -> Activations:
     stored.append(tuple(problem.vclass(i.value, d) for d in range(len(use))))
   return Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
                       tuple(dims), len(top), tuple(values), tuple(stored))
+
+
+# Ops XLA runs in place: the result takes over the buffer of operand 0 when that is
+# its last use (a scatter into zeros, the embedding gradient's scatter-add, say).
+_IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
+                       "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+                       "scatter_max", "dynamic_update_slice"})
+
+
+def _hand_over_in_place(g, top, pos, live, values, stop, start) -> None:
+  """Ends an in-place op's operand one position early where the op is its last reader,
+  so that its buffer and the op's result (the same memory) are not counted twice."""
+  at = {v: k for k, v in enumerate(values)}
+  for op in top:
+    if op.primitive not in _IN_PLACE or op.index not in live or not op.inputs:
+      continue
+    k = at.get(op.inputs[0])
+    j = pos[op.index]
+    if k is not None and stop[k] == j and start[k] < j:
+      stop[k] = j - 1
 
 
 def _axes(dims: Iterable[int | None], choice: Mapping[int, tuple[str, ...]]):

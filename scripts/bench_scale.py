@@ -16,10 +16,13 @@ is the 32-layer LLaMA-3-8B on 8 x 8.
   python scripts/bench_scale.py                  # all rows (minutes each on 2 cores)
   python scripts/bench_scale.py --models=llama3-8b --chips=64 --devices=h100
 
-The model: the zoo's LLaMA (`tapas_jax.models.llama`, float32 parameters and
-activations, adamw) with `attention="chunked"` (query blocks of 512 in a rematerialised
-`lax.map`: no [seq, seq] tensor outlives a block, the memory behaviour of MaxText's
-flash/splash attention; its FLOPs are the full, unskipped causal attention).
+The model: the zoo's LLaMA (`tapas_jax.models.llama`, adamw) as MaxText runs it:
+bfloat16 activations with float32 weights and optimizer state (MaxText's `dtype`
+bfloat16, `weight_dtype` float32; the loss in float32), and `attention="chunked"`
+(query blocks of 512 in a rematerialised `lax.map`: no [seq, seq] tensor outlives a
+block, the memory behaviour of MaxText's flash/splash attention; its FLOPs are the
+full, unskipped causal attention; a block's scores are counted live while the loop
+runs). Host offload is not modelled.
 
 Per-device batch, from MaxText's tuned recipes (AI-Hypercomputer/maxtext
 `benchmarks/maxtext_trillium_model_configs.py`, also in AI-Hypercomputer/tpu-recipes
@@ -79,7 +82,8 @@ def main():
   for size in a.models.split(","):
     for chips in map(int, a.chips.split(",")):
       for device in a.devices.split(","):
-        m = models.get_model("llama", size, attention="chunked", attention_chunk=CHUNK)
+        m = models.get_model("llama", size, attention="chunked", attention_chunk=CHUNK,
+                             dtype="bfloat16", param_dtype="float32")
         batch = PER_DEVICE_BATCH[size] * chips
         args = (m.train_step(), m.abstract_state(), m.batch_spec(batch))
         mesh = {"data": chips // 8, "model": 8}

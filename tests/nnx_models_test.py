@@ -154,3 +154,15 @@ def test_llama_is_causal():
   before, after = module.apply(variables, tokens), module.apply(variables, changed)
   np.testing.assert_allclose(before[:, :-1], after[:, :-1], rtol=1e-5, atol=1e-5)
   assert not np.allclose(before[:, -1], after[:, -1])
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_nnx"])
+def test_llama_computes_in_dtype_with_weights_in_param_dtype(family):
+  from tapas_jax import models  # noqa: PLC0415
+  m = models.get_model(family, "tiny", dtype="bfloat16", param_dtype="float32")
+  params = jax.eval_shape(lambda r: m.init_variables(r)[0], jax.random.key(0))
+  assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"float32"}
+  batch = m.batch_spec(2)
+  jaxpr = jax.make_jaxpr(lambda p, b: m.loss_fn()(p, {}, b)[0])(params, batch)
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots and all(str(v.aval.dtype) == "bfloat16" for e in dots for v in e.invars)

@@ -39,7 +39,9 @@ class LlamaConfig:
     d_ff: SwiGLU hidden width.
     rope_theta: base of the rotary embedding frequencies.
     norm_eps: RMSNorm epsilon.
-    dtype: activation and parameter dtype name.
+    dtype: activation (compute) dtype name.
+    param_dtype: parameter dtype name; None: `dtype` (MaxText's `weight_dtype`: its
+      recipes compute in bfloat16 and keep float32 weights).
     scan_layers: stack blocks with `nn.scan` (one folded layer in the jaxpr).
     attention: "plain" (scores and probabilities of `[length, length]` per head, kept
       for the backward) or "chunked" (`chunked_attention`: query blocks in a loop,
@@ -58,6 +60,7 @@ class LlamaConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   dtype: str = "float32"
+  param_dtype: str | None = None
   scan_layers: bool = False
   attention: str = "plain"
   attention_chunk: int = 512
@@ -74,6 +77,10 @@ class LlamaConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must divide by "
                        f"num_kv_heads={self.num_kv_heads}")
+
+  @property
+  def weight_dtype(self) -> str:
+    return self.param_dtype or self.dtype
 
   @property
   def head_dim(self) -> int:
@@ -200,7 +207,7 @@ class Attention(nn.Module):
     cfg = self.config
     def dense(features, name):
       return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                      param_dtype=cfg.dtype, name=name)
+                      param_dtype=cfg.weight_dtype, name=name)
     batch, length, _ = x.shape
     q = dense(cfg.num_heads * cfg.head_dim, "q_proj")(x)
     k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x)
@@ -222,7 +229,7 @@ class MLP(nn.Module):
     cfg = self.config
     def dense(features, name):
       return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                      param_dtype=cfg.dtype, name=name)
+                      param_dtype=cfg.weight_dtype, name=name)
     h = nn.silu(dense(cfg.d_ff, "gate_proj")(x)) * dense(cfg.d_ff, "up_proj")(x)
     return dense(cfg.d_model, "down_proj")(h)
 
@@ -235,7 +242,7 @@ class Block(nn.Module):
     cfg = self.config
     def norm(name):
       return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype,
-                        param_dtype=cfg.dtype, name=name)
+                        param_dtype=cfg.weight_dtype, name=name)
     x = x + Attention(cfg, name="Attention")(norm("attention_norm")(x))
     x = x + MLP(cfg, name="MLP")(norm("mlp_norm")(x))
     return x, None
@@ -247,7 +254,7 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                  name="embed")(tokens)
     if cfg.scan_layers:
       stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -256,9 +263,9 @@ class Llama(nn.Module):
     else:
       for i in range(cfg.num_layers):
         x, _ = Block(cfg, name=f"Block_{i}")(x)
-    x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                    name="norm")(x)
-    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                     name="lm_head")(x)
 
 

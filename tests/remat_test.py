@@ -214,18 +214,27 @@ def test_compiled_memory_falls_with_remat():
   assert temp["nothing_saveable"] < temp["everything_saveable"], temp
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
-def test_every_layer_rematerialised_still_computes_the_unsharded_step(family):
+@pytest.mark.parametrize("family,overrides,fsdp", [
+    ("llama", {}, False), ("t5", {}, False),
+    # A loop in every layer (the attention's query blocks), parameters gathered again.
+    ("llama", dict(attention="chunked", attention_chunk=8), True)])
+def test_every_layer_rematerialised_still_computes_the_unsharded_step(family, overrides,
+                                                                      fsdp):
   """Other layer kinds (RMSNorm and rotary embeddings; T5's two unique layers and
-  cross attention), every unique layer recomputed whole."""
-  m = models.get_model(family, "tiny")
+  cross attention; a loop per layer under FSDP), every unique layer recomputed whole."""
+  m = models.get_model(family, "tiny", **overrides)
   step = functools.partial(_sgd_step, m.loss_fn())
   state = m.init(jax.random.key(0))
   args = (state.params, state.model_state, m.make_batch(jax.random.key(1), 8))
-  plan = tapas.search(step, *args, mesh=MESH, device="cpu")
-  layers = [u.name for u in api.prepare(step, args, mesh=MESH, device="cpu")
-            .folded.unique_layers]
-  plan = dataclasses.replace(plan, remat=tuple((n, "nothing_saveable") for n in layers))
+  if fsdp:
+    plan = baselines.baseline("fsdp", step, *args, mesh=MESH, device="cpu",
+                              remat="nothing_saveable")
+  else:
+    plan = tapas.search(step, *args, mesh=MESH, device="cpu")
+    layers = [u.name for u in api.prepare(step, args, mesh=MESH, device="cpu")
+              .folded.unique_layers]
+    plan = dataclasses.replace(plan, remat=tuple((n, "nothing_saveable") for n in layers))
+  assert plan.remat and all(p == "nothing_saveable" for _, p in plan.remat)
   got = tapas.apply(plan, step)(*tapas.place(plan, *args))
   want = jax.jit(step)(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -393,11 +393,16 @@ class _Recompute:
     self.capture = {graph.ops[i].site: i for r in remats for i in r.recompute}
     self.readers: dict[tuple, tuple[int, list[tuple[int, int]]]] = {}
     for k, r in enumerate(remats):
-      for b, slot in r.reads:
+      for b, slot in r.reads + r.param_reads:
         self.readers.setdefault(graph.ops[b].site, (k, []))[1].append(
             (slot, graph.ops[b].inputs[slot]))
+    self.params = [set(r.params) for r in remats]
     self.seen: dict[int, tuple[Any, list[Any]]] = {}
     self.done: dict[int, dict[int, Any]] = {}
+    # Per instance, id of a parameter as stored -> its copy behind the barrier: read by
+    # the recomputation and the backward alike, so pinned it is gathered once more
+    # there, not kept gathered from the forward (`InstanceRemat.params`).
+    self.kept: dict[int, dict[int, Any]] = {}
 
   @classmethod
   def of(cls, plan: planlib.Plan, graph, pins) -> "_Recompute | None":
@@ -424,15 +429,24 @@ class _Recompute:
       return invals
     k, switched = self.readers[site]
     invals = list(invals)
+    mine = {slot for slot, _ in switched}
+    others = [j for j, x in enumerate(invals) if j not in mine and isinstance(x, jax.Array)]
     if k not in self.done:
-      mine = {slot for slot, _ in switched}
-      others = [j for j, x in enumerate(invals) if j not in mine and isinstance(x, jax.Array)]
       copies, anchors = self._recompute(k, [invals[j] for j in others])
       self.done[k] = copies
       for j, x in zip(others, anchors):
         invals[j] = x
+    kept = self.kept[k]
+    fresh = {id(invals[slot]): invals[slot] for slot, v in switched
+             if v in self.params[k] and id(invals[slot]) not in kept}
+    if fresh:  # parameters the recomputation did not read: behind a barrier here
+      copies, anchors = jax.lax.optimization_barrier(
+          (list(fresh.values()), [invals[j] for j in others]))
+      kept.update(zip(fresh, copies))
+      for j, x in zip(others, anchors):
+        invals[j] = x
     for slot, v in switched:
-      invals[slot] = self.done[k][v]
+      invals[slot] = kept[id(invals[slot])] if v in self.params[k] else self.done[k][v]
     return invals
 
   def _recompute(self, k: int, anchors: list[Any]) -> tuple[dict[int, Any], list[Any]]:
@@ -446,6 +460,7 @@ class _Recompute:
           saved.setdefault(id(x), x)
     kept, anchors = jax.lax.optimization_barrier((list(saved.values()), list(anchors)))
     kept = dict(zip(saved, kept))
+    self.kept[k] = kept
     copies: dict[int, Any] = {}
     for p in r.recompute:
       eqn, vals = self.seen[p]

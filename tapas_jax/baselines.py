@@ -103,7 +103,8 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
 
 
 def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
-             family: str | None = None, batch_axes=None, links=None, kwargs=None):
+             family: str | None = None, batch_axes=None, links=None, kwargs=None,
+             remat: str | None = None):
   """An expert plan for `fn(*args)`, costed like a searched one.
 
   Args:
@@ -117,12 +118,21 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
       data parallel and FSDP always use every axis.
     links: mesh axis -> "intra"/"inter".
     kwargs: the step's keyword arguments, as for `tapas_jax.search`.
+    remat: a `jax.checkpoint` policy (`solver.remat.POLICIES`: "everything_saveable",
+      "dots_saveable", "nothing_saveable") for every unique layer with a backward, as
+      expert recipes set one (MaxText's `remat_policy`: "full" is nothing_saveable,
+      "minimal" saves the dots); costed as the search costs its own remat, and in
+      `plan.remat` so that `tapas.apply` runs it. None: no remat.
 
   Raises:
-    ValueError: unknown baseline name or family, or a bad option (see `search`).
+    ValueError: unknown baseline name, family or remat policy, or a bad option (see
+      `search`).
   """
   if name not in BASELINES:
     raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
+  if remat is not None and remat not in solver.remat.POLICIES:
+    raise ValueError(f"baseline remat={remat!r}: choose one of {solver.remat.POLICIES} "
+                     "or None")
   if name == "megatron" and family not in MEGATRON_SPLITS:
     raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
                      f"pass family= one of {', '.join(sorted(MEGATRON_SPLITS))}")
@@ -143,10 +153,16 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
     if name == "fsdp":
       stored, layouts = _fsdp(problem)
       choice.update(stored)
-  solution = solver.evaluate(problem, choice, input_layouts=layouts)
+  modes = {}
+  if remat is not None:
+    modes = {u.index: remat for u in prepared.folded.unique_layers
+             if solver.remat.layer_remats(prepared.folded, u.index, remat)}
+  solution = solver.evaluate(problem, choice, input_layouts=layouts,
+                             folded=prepared.folded, remat=modes)
   plan = planlib.make_plan(problem, prepared.folded, solution, args,
                            search_s=prepared.prepare_s + time.perf_counter() - start,
-                           name=name, input_layouts=layouts, kwargs=kwargs)
+                           name=name if not modes else f"{name}+{remat}",
+                           input_layouts=layouts, kwargs=kwargs)
   limit = api.default_budget(problem.profile)
   if plan.stats.predicted_memory_bytes > limit:
     # A baseline is a fixed layout to compare against, so it is returned, but it says

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tapas_jax as tapas
-from tapas_jax import api, cost, fold, models, plan_file, solver, trace
+from tapas_jax import api, baselines, cost, fold, measure, models, plan_file, solver, trace
 from tapas_jax.solver import memory, remat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,7 +47,10 @@ def test_instance_remat_recomputes_what_the_policy_does_not_save(policy, recompu
   assert [g.ops[i].primitive for i in r.recompute] == recomputed
   assert all(remat.is_forward(g.ops[i]) for i in r.recompute)
   assert r.reads and all(remat.is_backward(g.ops[b]) for b, _ in r.reads)
-  assert r.first == min(b for b, _ in r.reads)
+  assert r.first == min(b for b, _ in r.reads + r.param_reads)
+  # The layer's weight: read by the forward's dot and again by the backward.
+  assert len(r.params) == 1 and g.types[r.params[0]].shape == (8, 8)
+  assert r.param_reads and all(g.ops[b].inputs[k] == r.params[0] for b, k in r.param_reads)
 
 
 def test_everything_saveable_recomputes_nothing_and_bad_policies_are_named():
@@ -211,19 +214,95 @@ def test_compiled_memory_falls_with_remat():
   assert temp["nothing_saveable"] < temp["everything_saveable"], temp
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
-def test_every_layer_rematerialised_still_computes_the_unsharded_step(family):
+@pytest.mark.parametrize("family,overrides,fsdp", [
+    ("llama", {}, False), ("t5", {}, False),
+    # A loop in every layer (the attention's query blocks), parameters gathered again.
+    ("llama", dict(attention="chunked", attention_chunk=8), True)])
+def test_every_layer_rematerialised_still_computes_the_unsharded_step(family, overrides,
+                                                                      fsdp):
   """Other layer kinds (RMSNorm and rotary embeddings; T5's two unique layers and
-  cross attention), every unique layer recomputed whole."""
-  m = models.get_model(family, "tiny")
+  cross attention; a loop per layer under FSDP), every unique layer recomputed whole."""
+  m = models.get_model(family, "tiny", **overrides)
   step = functools.partial(_sgd_step, m.loss_fn())
   state = m.init(jax.random.key(0))
   args = (state.params, state.model_state, m.make_batch(jax.random.key(1), 8))
-  plan = tapas.search(step, *args, mesh=MESH, device="cpu")
-  layers = [u.name for u in api.prepare(step, args, mesh=MESH, device="cpu")
-            .folded.unique_layers]
-  plan = dataclasses.replace(plan, remat=tuple((n, "nothing_saveable") for n in layers))
+  if fsdp:
+    plan = baselines.baseline("fsdp", step, *args, mesh=MESH, device="cpu",
+                              remat="nothing_saveable")
+  else:
+    plan = tapas.search(step, *args, mesh=MESH, device="cpu")
+    layers = [u.name for u in api.prepare(step, args, mesh=MESH, device="cpu")
+              .folded.unique_layers]
+    plan = dataclasses.replace(plan, remat=tuple((n, "nothing_saveable") for n in layers))
+  assert plan.remat and all(p == "nothing_saveable" for _, p in plan.remat)
   got = tapas.apply(plan, step)(*tapas.place(plan, *args))
   want = jax.jit(step)(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp(policy):
+  """GPT tiny, 4 layers, stored as FSDP (every parameter split over the whole mesh)."""
+  _, step, args = _gpt()
+  return baselines.baseline("fsdp", step, *args, mesh=MESH, device="cpu", remat=policy)
+
+
+def test_a_rematerialised_layer_gathers_its_parameters_again_for_the_backward():
+  prep = _prepared()
+  p, f = prep.problem, prep.folded
+  acts = memory.activations(p)
+  r = remat.layer_remats(f, 0, "nothing_saveable")[0]
+  here = remat.with_remat(p, acts, [r])
+  pos = {op.index: j for j, op in enumerate(p.graph.region_ops(0))}
+  split = 0
+  for v in r.params:
+    rows = [k for k, x in enumerate(here.values) if x == v and here.stored[k] is not None]
+    if not rows:
+      continue  # read as stored by every plan: no gathered copy to split
+    forward, backward = rows
+    # The forward's copy dies before the backward reaches the layer; the backward's
+    # own copy lives from there to its last reader, laid out alike.
+    assert here.stop[forward] < pos[r.first]
+    assert here.start[backward] <= pos[r.first]
+    assert here.start[backward] <= here.stop[backward]
+    assert here.stored[backward] == here.stored[forward]
+    assert here.dims[backward] == here.dims[forward]
+    split += 1
+  assert split, "the layer's kernels are gathered copies under some plan"
+
+
+def test_fsdp_with_remat_is_costed_with_the_second_gather_and_less_memory():
+  plain, remat_plan = _fsdp(None), _fsdp("nothing_saveable")
+  assert remat_plan.remat == (("Block", "nothing_saveable"),)
+  assert remat_plan.name == "fsdp+nothing_saveable"
+  p = _prepared().problem
+  # The blocks' parameters (4 layers x their bytes) are gathered once more: (n-1)/n of
+  # each per device.
+  blocks = sum(p.graph.types[i.value].nbytes for i in p.graph.inputs
+               if i.path.startswith("Block_"))
+  n = 8
+  extra = remat_plan.stats.predicted_comm_bytes - plain.stats.predicted_comm_bytes
+  assert extra == pytest.approx(blocks * (n - 1) / n, rel=0.05)
+  assert remat_plan.stats.predicted_memory_bytes < plain.stats.predicted_memory_bytes
+  assert remat_plan.stats.predicted_step_s > plain.stats.predicted_step_s
+  _, step, args = _gpt()
+  with pytest.raises(ValueError, match="remat='full'"):
+    baselines.baseline("fsdp", step, *args, mesh=MESH, device="cpu", remat="full")
+
+
+def test_applied_fsdp_with_remat_computes_the_same_step_and_gathers_again():
+  step, args, (want_params, want_loss) = _concrete()
+  compiled = {}
+  for policy in (None, "nothing_saveable"):
+    plan = _fsdp(policy)
+    applied = tapas.apply(plan, step)
+    placed = tapas.place(plan, *args)
+    params, loss = applied(*placed)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    compiled[policy] = measure.measure(applied.lower(*placed).compile(), 8)
+  # XLA keeps the backward's gathers apart from the forward's: more bytes gathered.
+  assert (compiled["nothing_saveable"].comm_bytes["all-gather"]
+          > compiled[None].comm_bytes["all-gather"]), compiled

@@ -92,7 +92,7 @@ def test_entry_point_on_every_zoo_model_and_mesh(name, mesh):
 
 @pytest.mark.parametrize("name,overrides", [
     ("gpt", {}), ("gpt", dict(scan_layers=True, num_layers=3)), ("llama", {}), ("moe", {}),
-    ("t5", {}), ("vit", {})])
+    ("t5", {}), ("vit", {}), ("llama", dict(attention="chunked", attention_chunk=8))])
 def test_sharded_step_computes_the_same_numbers(name, overrides):
   m, step, _, _ = zoo(name, **overrides)
   mesh = tapas.make_mesh(MESHES["2d"])
@@ -271,6 +271,25 @@ def test_scan_body_is_searched_with_its_trip_count():
   assert _spec(flat, "params/Block_0/MLP/fc1/kernel") == PartitionSpec(None, "model")
   assert scanned[4].stats.predicted_comm_bytes == flat.stats.predicted_comm_bytes
   assert flat.stats.predicted_step_s <= step[4] <= 1.1 * flat.stats.predicted_step_s
+
+
+def test_chunked_attention_loop_is_searched_in_place_in_every_layer():
+  # The query-block loop inside each layer is a scan: its body's ops are searched, each
+  # standing for trip-count blocks times the layer copies it stands for.
+  folded, _ = _problems("llama", MESHES["2d"], num_layers=4, attention="chunked",
+                        attention_chunk=8)
+  g, view = folded.graph, folded.view
+  blocks = models.get_model("llama", "tiny").config.seq_len // 8
+  assert view.loops, "the attention loop's body is in the search"
+  weights = sorted({view.weight[i] for i in view.ops if g.ops[i].region != 0})
+  # First, last and the middle copy (standing for the 2 interior layers); the forward
+  # loop and the backward loop alike.
+  assert weights == [blocks, 2 * blocks]
+  _, step, state, batch = zoo("llama", num_layers=4, attention="chunked", attention_chunk=8)
+  plan = tapas.search(step, state, batch, mesh=MESHES["2d"], device="cpu")
+  plain = tapas.search(*zoo("llama", num_layers=4)[1:], mesh=MESHES["2d"], device="cpu")
+  # Same arithmetic, the same layout of every parameter.
+  assert plan.in_specs == plain.in_specs
 
 
 def test_rediscovers_megatron_on_llama_with_grouped_query_attention():

@@ -22,6 +22,9 @@ from tapas_jax.models import gpt
 from tapas_jax.models import training
 
 
+ATTENTIONS = ("plain", "chunked")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Shape of a LLaMA model.
@@ -36,8 +39,15 @@ class LlamaConfig:
     d_ff: SwiGLU hidden width.
     rope_theta: base of the rotary embedding frequencies.
     norm_eps: RMSNorm epsilon.
-    dtype: activation and parameter dtype name.
+    dtype: activation (compute) dtype name.
+    param_dtype: parameter dtype name; None: `dtype` (MaxText's `weight_dtype`: its
+      recipes compute in bfloat16 and keep float32 weights).
     scan_layers: stack blocks with `nn.scan` (one folded layer in the jaxpr).
+    attention: "plain" (scores and probabilities of `[length, length]` per head, kept
+      for the backward) or "chunked" (`chunked_attention`: query blocks in a loop,
+      each rematerialised, so no `[length, length]` tensor outlives a block: the
+      JAX-level counterpart of a flash/splash attention kernel's memory).
+    attention_chunk: query block length for "chunked"; must divide `seq_len`.
   """
 
   vocab_size: int = 32000
@@ -50,14 +60,27 @@ class LlamaConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   dtype: str = "float32"
+  param_dtype: str | None = None
   scan_layers: bool = False
+  attention: str = "plain"
+  attention_chunk: int = 512
 
   def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention={self.attention!r} is not one of {ATTENTIONS}")
+    if self.attention == "chunked" and (self.attention_chunk <= 0
+                                        or self.seq_len % self.attention_chunk):
+      raise ValueError(f"attention_chunk={self.attention_chunk} must be positive and divide "
+                       f"seq_len={self.seq_len}; pick a divisor of seq_len")
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must divide by num_heads={self.num_heads}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must divide by "
                        f"num_kv_heads={self.num_kv_heads}")
+
+  @property
+  def weight_dtype(self) -> str:
+    return self.param_dtype or self.dtype
 
   @property
   def head_dim(self) -> int:
@@ -119,6 +142,63 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   return out.reshape(batch, length, num_heads * head_dim)
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+  """Causal grouped-query attention computed one block of `chunk` queries at a time.
+
+  Equal to `attention` (same arithmetic per query row). Each block's scores against
+  every key are made, used and dropped inside a `lax.map` step, and the step is
+  `jax.checkpoint`ed, so the backward pass recomputes them block by block: only the
+  block's inputs are saved. At most `[chunk, length]` scores per head exist at a time
+  instead of `[length, length]` (what flash/splash attention kernels achieve in one
+  fused kernel; this is the same memory behaviour in plain JAX, without their causal
+  block skipping).
+
+  Args:
+    q: `[batch, length, num_heads, head_dim]`.
+    k: `[batch, length, num_kv_heads, head_dim]`.
+    v: like `k`.
+    chunk: query block length; must divide `length`.
+
+  Returns:
+    `[batch, length, num_heads * head_dim]`.
+
+  Example:
+    >>> q = k = v = jnp.ones((1, 8, 2, 4))
+    >>> chunked_attention(q, k, v, chunk=4).shape
+    (1, 8, 8)
+  """
+  batch, length, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  if chunk <= 0 or length % chunk:
+    raise ValueError(f"chunked_attention: chunk={chunk} must be positive and divide the "
+                     f"sequence length {length}")
+  blocks = length // chunk
+  q = q.reshape(batch, blocks, chunk, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  q = jnp.moveaxis(q, 1, 0)  # the loop runs over query blocks
+  scale = jnp.sqrt(head_dim).astype(q.dtype)
+
+  @jax.checkpoint
+  def block(args):
+    qb, first = args
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k) / scale
+    # The mask as an additive [chunk, length] bias: a `where` against a scalar would be
+    # hoisted out of the loop as a scores-sized constant.
+    causal = (first + jnp.arange(chunk))[:, None] >= jnp.arange(length)[None, :]
+    scores = scores + jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
+
+  out = jax.lax.map(block, (q, jnp.arange(blocks) * chunk))
+  return jnp.moveaxis(out, 0, 1).reshape(batch, length, num_heads * head_dim)
+
+
+def attend(config: LlamaConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """The config's attention (`attention` or `chunked_attention`) of rotated q, k, v."""
+  if config.attention == "chunked":
+    return chunked_attention(q, k, v, config.attention_chunk)
+  return attention(q, k, v)
+
+
 class Attention(nn.Module):
   config: LlamaConfig
 
@@ -127,7 +207,7 @@ class Attention(nn.Module):
     cfg = self.config
     def dense(features, name):
       return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                      param_dtype=cfg.dtype, name=name)
+                      param_dtype=cfg.weight_dtype, name=name)
     batch, length, _ = x.shape
     q = dense(cfg.num_heads * cfg.head_dim, "q_proj")(x)
     k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x)
@@ -138,7 +218,7 @@ class Attention(nn.Module):
     positions = jnp.arange(length)
     q = apply_rope(q, positions, cfg.rope_theta)
     k = apply_rope(k, positions, cfg.rope_theta)
-    return dense(cfg.d_model, "o_proj")(attention(q, k, v))
+    return dense(cfg.d_model, "o_proj")(attend(cfg, q, k, v))
 
 
 class MLP(nn.Module):
@@ -149,7 +229,7 @@ class MLP(nn.Module):
     cfg = self.config
     def dense(features, name):
       return nn.Dense(features, use_bias=False, dtype=cfg.dtype,
-                      param_dtype=cfg.dtype, name=name)
+                      param_dtype=cfg.weight_dtype, name=name)
     h = nn.silu(dense(cfg.d_ff, "gate_proj")(x)) * dense(cfg.d_ff, "up_proj")(x)
     return dense(cfg.d_model, "down_proj")(h)
 
@@ -162,7 +242,7 @@ class Block(nn.Module):
     cfg = self.config
     def norm(name):
       return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype,
-                        param_dtype=cfg.dtype, name=name)
+                        param_dtype=cfg.weight_dtype, name=name)
     x = x + Attention(cfg, name="Attention")(norm("attention_norm")(x))
     x = x + MLP(cfg, name="MLP")(norm("mlp_norm")(x))
     return x, None
@@ -174,7 +254,7 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                  name="embed")(tokens)
     if cfg.scan_layers:
       stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -183,9 +263,9 @@ class Llama(nn.Module):
     else:
       for i in range(cfg.num_layers):
         x, _ = Block(cfg, name=f"Block_{i}")(x)
-    x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                    name="norm")(x)
-    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.weight_dtype,
                     name="lm_head")(x)
 
 

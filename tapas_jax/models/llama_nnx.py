@@ -32,15 +32,15 @@ lm_loss = llama.lm_loss
 
 def _dense(config: LlamaConfig, in_features: int, out_features: int,
            rngs: nnx.Rngs) -> nnx.Linear:
-  dtype = jnp.dtype(config.dtype)
-  return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
-                    param_dtype=dtype, rngs=rngs)
+  return nnx.Linear(in_features, out_features, use_bias=False,
+                    dtype=jnp.dtype(config.dtype),
+                    param_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
 
 
 def _norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  dtype = jnp.dtype(config.dtype)
-  return nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=dtype,
-                     param_dtype=dtype, rngs=rngs)
+  return nnx.RMSNorm(config.d_model, epsilon=config.norm_eps,
+                     dtype=jnp.dtype(config.dtype),
+                     param_dtype=jnp.dtype(config.weight_dtype), rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -62,7 +62,7 @@ class Attention(nnx.Module):
     positions = jnp.arange(length)
     q = llama.apply_rope(q, positions, cfg.rope_theta)
     k = llama.apply_rope(k, positions, cfg.rope_theta)
-    return self.o_proj(llama.attention(q, k, v))
+    return self.o_proj(llama.attend(cfg, q, k, v))
 
 
 class MLP(nnx.Module):
@@ -94,10 +94,9 @@ class Llama(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     cfg = config
-    dtype = jnp.dtype(cfg.dtype)
     self.config = cfg
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=dtype,
-                           rngs=rngs)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.dtype),
+                           param_dtype=jnp.dtype(cfg.weight_dtype), rngs=rngs)
     blocks = gpt_nnx.make_blocks(Block, cfg, rngs)
     if cfg.scan_layers:
       self.layers = blocks

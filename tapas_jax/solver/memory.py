@@ -19,6 +19,7 @@ import numpy as np
 from tapas_jax import cost as costlib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.views import scan_region
 from tapas_jax.solver.tables import Table, evaluate_tables
 
 __all__ = ["Activations", "activation_peak", "activation_tables", "activations",
@@ -126,6 +127,10 @@ def activations(problem: Problem) -> Activations:
   * A program output lives to the end, except the next value of carried state: the
     step runs with the state donated, so it is written into its input's buffer (the
     input is counted among the inputs).
+  * A gradient the update reads in another layout than it is made in (ZeRO) is
+    reduced into that layout where it is made (XLA fuses what lies between into the
+    reduce-scatter): the whole copy lives to its last compute reader, the delivered
+    one to the update.
   * A parameter stored apart from its use (ZeRO) is gathered once into its compute
     layout (`apply` pins one copy per value) and that copy lives from its first
     compute reader to its last.
@@ -135,6 +140,8 @@ def activations(problem: Problem) -> Activations:
     (`_donated_copies`).
   * Each dim is split as its producer makes it: over its class's axes, or whole where
     the producer's rule keeps it whole.
+  * While a counted loop (scan) runs, what its body writes out in one iteration is
+    live at the loop's position too (`_loop_body_values`).
   """
   g = problem.graph
   top = g.region_ops(0)
@@ -146,14 +153,55 @@ def activations(problem: Problem) -> Activations:
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
 
   fused = fused_values(g, top, live)
+
+  def in_update(c):
+    return problem.view.op_canon.get(c, c) in problem.update_ops
+
+  # A gradient the update reads in another layout than it is made in (ZeRO) is reduced
+  # into that layout where it is made: value -> (delivered classes, last update reader).
+  delivered = {}
+  for op in top:
+    for w in op.outputs if op.index in live else ():
+      read = problem.reader_dims.get((problem.cv(w), True))
+      updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and in_update(c)]
+      if read is not None and updates and w not in outputs:
+        delivered[w] = (tuple(read), max(updates))
+  # Ops that only lead to delivered values through fused values (the moments' `g ** 2`,
+  # `(1 - b) * g`) fuse into the reduction where the gradient is made, whatever the
+  # program order: they do not keep the gradient alive.
+  feeding: set[int] = set()
+  for op in reversed(top):
+    if op.index in live and op.outputs and not in_update(op.index) and all(
+        w in delivered or (w in fused and all(c in feeding for c in g.consumers.get(w, ())
+                                              if c in live)) for w in op.outputs):
+      feeding.add(op.index)
+
+  def made_at(w):
+    """Where the reduction of a delivered value runs: after the last value it is
+    computed from (through feeding ops) is made."""
+    todo, seen, at = [w], set(), []
+    while todo:
+      p = g.producer.get(todo.pop())
+      if p is None or p in seen or p not in pos:
+        continue
+      seen.add(p)
+      if p in feeding:
+        todo.extend(g.ops[p].inputs)
+      else:
+        at.append(pos[p] + 1)
+    return max(at, default=pos[g.producer[w]])
+
   # A fused value is recomputed where it is read: what it is made of stays live until
   # then. Readers come after producers, so walk backwards.
   reach: dict[int, int] = {}
   for op in reversed(top):
-    if op.index not in live:
+    if op.index not in live or op.index in feeding:
       continue
     for v in op.inputs:
-      here = max([pos[op.index]] + [reach[w] for w in op.outputs if w in fused])
+      if v in delivered and in_update(op.index):
+        continue  # the update reads the delivered copy
+      here = max([pos[op.index]] + [reach.get(w, pos[op.index]) for w in op.outputs
+                                    if w in fused])
       reach[v] = max(reach.get(v, here), here)
 
   def last_reader(v, default):
@@ -168,15 +216,34 @@ def activations(problem: Problem) -> Activations:
       if not t.shape or (problem.cv(v), 0) not in problem.value_class:
         continue
       readers = [c for c in g.consumers.get(v, ()) if c in live]
-      if v in fused or (v in carried and not readers):
-        continue  # never written out, or written in place into the donated input
-      start.append(j)
-      stop.append(end if v in outputs and v not in carried else last_reader(v, j))
-      nbytes.append(t.nbytes)
-      values.append(v)
-      dims.append(tuple(None if f is None else problem.vclass(v, d)
-                        for d, f in enumerate(rule.outputs[slot])))
-      stored.append(None)
+      made = tuple(None if f is None else problem.vclass(v, d)
+                   for d, f in enumerate(rule.outputs[slot]))
+      whole = not (v in fused or (v in carried and not readers))
+      if whole:  # else never written out, or written in place into the donated input
+        start.append(j)
+        stop.append(end if v in outputs and v not in carried else last_reader(v, j))
+        nbytes.append(t.nbytes)
+        values.append(v)
+        dims.append(made)
+        stored.append(None)
+      if v in delivered:  # the reduced copy waits for the update, not the whole one
+        start.append(min(made_at(v) if op.index in feeding else j + whole,
+                         delivered[v][1]))
+        stop.append(delivered[v][1])
+        nbytes.append(t.nbytes)
+        values.append(v)
+        dims.append(delivered[v][0])
+        stored.append(None)
+  _hand_over_in_place(g, top, pos, live, values, stop, start)
+  for j, op in enumerate(top):
+    if op.index in live:
+      for v, made in _loop_body_values(problem, op):
+        start.append(j)
+        stop.append(j)
+        nbytes.append(g.types[v].nbytes)
+        values.append(v)
+        dims.append(made)
+        stored.append(None)
   for i in g.inputs:
     use = problem.reader_dims.get((problem.cv(i.value), False))
     readers = sorted(pos[c] for c in g.consumers.get(i.value, ()) if c in live and
@@ -239,6 +306,53 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
     if any(not feeds.get(c, 0) & bit for c in readers):
       out.append((v, min(pos[c] for c in readers), max(pos[c] for c in readers + [p])))
   return out
+
+
+def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
+  """(value, classes as made) of what one iteration of a counted loop writes out,
+  counted live together while the loop runs: an upper bound of the body's own peak
+  (the blocks of a chunked attention's scores, say). A copy of a layer the view folds
+  away is costed as its representative's loop."""
+  g = problem.graph
+  rep = g.ops[problem.view.op_canon.get(op.index, op.index)]
+  region = scan_region(g, rep)
+  if region is None:
+    return []
+  body = [o for o in g.ops if o.region == region.index]
+  live = live_ops(g, body, region.outputs)
+  fused = fused_values(g, body, live, region.outputs)
+  out = []
+  for o in body:
+    rule = problem.rules.get(o.index)
+    if rule is None or o.index not in live:
+      continue
+    for slot, v in enumerate(o.outputs):
+      if (v in fused or not g.types[v].shape
+          or (problem.cv(v), 0) not in problem.value_class):
+        continue
+      out.append((v, tuple(None if f is None else problem.vclass(v, d)
+                           for d, f in enumerate(rule.outputs[slot]))))
+  return out
+
+
+# Ops XLA runs in place: the result takes over the buffer of operand 0 when that is
+# its last use (a scatter into zeros, the embedding gradient's scatter-add, say).
+_IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
+                       "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+                       "scatter_max", "dynamic_update_slice"})
+
+
+def _hand_over_in_place(g, top, pos, live, values, stop, start) -> None:
+  """Ends an in-place op's operand one position early where the op is its last reader,
+  so that its buffer and the op's result (the same memory) are not counted twice."""
+  at = {v: k for k, v in enumerate(values)}
+  for op in top:
+    if op.primitive not in _IN_PLACE or op.index not in live or not op.inputs:
+      continue
+    k = at.get(op.inputs[0])
+    j = pos[op.index]
+    if k is not None and stop[k] == j and start[k] < j:
+      stop[k] = j - 1
 
 
 def _axes(dims: Iterable[int | None], choice: Mapping[int, tuple[str, ...]]):

@@ -88,12 +88,21 @@ class InstanceRemat:
   Attributes:
     recompute: forward op indices recomputed in the backward, in program order.
     reads: (backward op index, operand slot) reads switched to recomputed copies.
-    first: the first of those backward ops in program order (recompute happens there).
+    first: the first backward op in program order reading a recomputed copy or a
+      re-gathered parameter (recompute happens there).
+    params: program inputs the layer's forward reads and its backward (or the
+      recomputation) reads again. Where the plan stores one apart from its use (ZeRO),
+      the backward gathers it again rather than keeping the forward's gathered copy
+      through the step: what `jax.checkpoint` around an FSDP layer does (the gather
+      is part of the recomputed forward).
+    param_reads: (backward op index, operand slot) reads of `params`.
   """
 
   recompute: tuple[int, ...]
   reads: tuple[tuple[int, int], ...]
   first: int
+  params: tuple[int, ...] = ()
+  param_reads: tuple[tuple[int, int], ...] = ()
 
 
 def _saved(op: Op, policy: str) -> bool:
@@ -136,8 +145,17 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
         stack.append(q)
   if not reads:
     return None
+  inputs = graph.input_path
+  read_forward = {v for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])
+                  for v in graph.ops[i].inputs if v in inputs}
+  read_again = {v for p in recompute for v in graph.ops[p].inputs if v in inputs}
+  param_reads = [(b, k) for b in ops if is_backward(graph.ops[b])
+                 for k, v in enumerate(graph.ops[b].inputs) if v in read_forward]
+  read_again.update(graph.ops[b].inputs[k] for b, k in param_reads)
+  params = tuple(sorted(read_forward & read_again))
   return InstanceRemat(recompute=tuple(sorted(recompute)), reads=tuple(reads),
-                       first=min(b for b, _ in reads))
+                       first=min(b for b, _ in reads + param_reads), params=params,
+                       param_reads=tuple(param_reads))
 
 
 def layer_remats(folded: Folded, layer: int, policy: str) -> list[InstanceRemat]:
@@ -155,24 +173,46 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
   """The live ranges once these instances are rematerialised: a recomputed value's
   original dies at its last reader outside the switched reads, and its copy lives
   from the instance's first switched read to its last one; a value the recomputation
-  reads stays live until then."""
+  reads stays live until then. A parameter's gathered copy (`Activations.stored`)
+  dies after the forward and is gathered again for the backward."""
   if not remats:
     return acts
   g = problem.graph
   pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
   at = {v: k for k, v in enumerate(acts.values)}
   start, stop = acts.start.copy(), acts.stop.copy()
+  stored = acts.stored or (None,) * len(acts.dims)
   extra_start, extra_stop, extra_bytes, extra_dims, extra_values = [], [], [], [], []
+  extra_stored = []
   extend: dict[int, int] = {}  # applied last: a new reader outlives any cut above
   for r in remats:
     first = pos[r.first]
+    regathered = set()
+    for v in r.params:
+      k = at.get(v)
+      if k is None or stored[k] is None:
+        continue  # read as stored: nothing gathered
+      readers = [(pos[c], is_backward(g.ops[c])) for c in g.consumers.get(v, ())
+                 if c in pos and start[k] <= pos[c] <= stop[k]]
+      early = [j for j, late in readers if not late and j < first]
+      late = [j for j, late in readers if late] + [first]
+      if not early:
+        continue
+      regathered.add(v)
+      extra_start.append(min(late))
+      extra_stop.append(max(late))
+      stop[k] = max(early)
+      extra_bytes.append(acts.nbytes[k])
+      extra_dims.append(acts.dims[k])
+      extra_values.append(v)
+      extra_stored.append(stored[k])
     switched: dict[int, set[int]] = {}
     for b, k in r.reads:
       switched.setdefault(g.ops[b].inputs[k], set()).add(b)
     recomputed = set(r.recompute)
     for p in r.recompute:
       for v in g.ops[p].inputs:  # what the recomputation reads must still be there
-        if g.producer.get(v) not in recomputed and v in at:
+        if g.producer.get(v) not in recomputed and v in at and v not in regathered:
           extend[at[v]] = max(extend.get(at[v], first), first)
       for v in g.ops[p].outputs:
         if v not in at:
@@ -186,16 +226,15 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         extra_bytes.append(acts.nbytes[k])
         extra_dims.append(acts.dims[k])
         extra_values.append(v)
+        extra_stored.append(None)  # an op's output, never a gathered parameter
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
-  # A recomputed copy is an op's output, never a gathered parameter: stored None.
-  stored = acts.stored or (None,) * len(acts.dims)
   return dataclasses.replace(
       acts, start=np.concatenate([start, np.array(extra_start, int)]),
       stop=np.concatenate([stop, np.array(extra_stop, int)]),
       nbytes=np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
       dims=acts.dims + tuple(extra_dims), values=acts.values + tuple(extra_values),
-      stored=tuple(stored) + (None,) * len(extra_values))
+      stored=tuple(stored) + tuple(extra_stored))
 
 
 def recompute_tables(problem: Problem, builder: TableBuilder,
@@ -213,6 +252,14 @@ def recompute_tables(problem: Problem, builder: TableBuilder,
       tabs = builder.op_tables(op) + [builder.resolve_table(v) for v in op.outputs]
       out += [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
               for t in tabs if t is not None]
+    for v in r.params:  # gathered again for the backward (zero where used as stored)
+      if problem.cv(v) != v or (v, False) not in problem.reader_dims:
+        continue  # a folded copy (its representative counts for it) or never gathered
+      w = max((problem.view.weight.get(i, 1) for i in builder.users.get(v, ())
+               if i not in problem.update_ops), default=1)
+      t = builder.cut_table(v, False)
+      if t is not None:
+        out.append(t if w == 1 else Table(t.scope, t.value * w, t.comm * w))
   return out
 
 

@@ -251,14 +251,27 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
              input_layouts: Mapping[int, costlib.Layout] | None = None,
-             table_cache: dict | None = None, folded=None) -> Solution:
+             table_cache: dict | None = None, folded=None,
+             remat: Mapping[int, str] | None = None) -> Solution:
   """Predicted cost of a given class choice (and optional fixed input layouts).
 
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
+
+  Args:
+    folded: the program's `fold.Folded`; needed with `remat`.
+    remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
+      the layers rematerialised; their recompute is costed as the search costs it.
   """
   start = time.perf_counter()
   builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(problem, builder)
+  remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}
+  if remat:
+    if folded is None:
+      raise ValueError("evaluate: remat= needs the program's folded= (fold.fold(graph))")
+    tables = tables + rematlib.recompute_tables(
+        problem, builder, [r for u, p in remat.items()
+                           for r in rematlib.layer_remats(folded, u, p)])
   index = {}
   for c, axes in choice.items():
     if axes not in problem.domains[c]:
@@ -270,7 +283,7 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
   state = evaluate_tables(memory_tables(problem, input_layouts), index)[0]
   return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
                   tables_built=builder.built, solve_s=time.perf_counter() - start,
-                  memory_weight=0.0, reasons=reasons(problem, tables, index))
+                  memory_weight=0.0, reasons=reasons(problem, tables, index), remat=remat)
 
 
 def warn_unsplittable(problem: Problem) -> None:

@@ -450,6 +450,17 @@ def _class_names(problem: Problem) -> dict[int, str]:
   for c in problem.classes:
     if c.batch:
       out.setdefault(c.index, "batch")
+  # Sequence parallelism: positions (a sequence, an image's pixels) held apart by the
+  # contractions with weights and the norms and residual adds between them.
+  for (v, side), dims in problem.reader_dims.items():
+    if side not in ("dot", "elem"):
+      continue
+    for d, c in enumerate(dims):
+      made = problem.value_class[(v, d)]
+      if c != made:
+        inside, outside = (c, made) if side == "dot" else (made, c)
+        out.setdefault(outside, "positions between contractions")
+        out.setdefault(inside, "positions in contractions")
   return out
 
 
@@ -496,7 +507,8 @@ def _constraints(problem: Problem, solution: Solution,
     copies.setdefault(c, []).append(u)
   spec = functools.partial(_spec, choice=solution.choice)
   out = []
-  for (v, in_update), classes in sorted(problem.reader_dims.items()):
+  for (v, side), classes in sorted(problem.reader_dims.items(), key=lambda kv: (
+      kv[0][0], str(kv[0][1]))):
     want = spec(classes)
     rank = len(g.types[v].shape)
     if v in fixed:
@@ -508,7 +520,7 @@ def _constraints(problem: Problem, solution: Solution,
     for u in [v] + copies.get(v, []):
       for r in g.consumers.get(u, ()):
         op = g.ops[r]
-        if op.region != 0 or (view.op_canon.get(r, r) in problem.update_ops) != in_update:
+        if op.region != 0 or problem.read_side(view.op_canon.get(r, r), v) != side:
           continue
         out += [Constraint(site=op.site, slot=k, spec=want)
                 for k, x in enumerate(op.inputs) if x == u]
@@ -525,8 +537,7 @@ def _constraints(problem: Problem, solution: Solution,
                  for d, f in enumerate(rule.outputs[0])])
     for r in g.consumers.get(v, ()):
       reader = g.ops[r]
-      if reader.region != 0 or (problem.cv(v), view.op_canon.get(r, r) in problem.update_ops) \
-          in problem.reader_dims:
+      if reader.region != 0 or problem.read_dims(view.op_canon.get(r, r), v) is not None:
         continue  # read through a cut: pinned above
       out += [Constraint(site=reader.site, slot=k, spec=made)
               for k, x in enumerate(reader.inputs) if x == v]

@@ -79,8 +79,9 @@ class Activations:
     dims: class of each dim as it is made (None: made whole).
     length: number of top-level ops.
     values: the value id of each entry.
-    stored: for a parameter's gathered copy, the classes it is stored over (the copy
-      takes no memory where the two layouts agree); None for other entries.
+    stored: for a parameter's gathered copy, or an activation's copy read through a
+      cut, the classes it is stored (made) over (the copy takes no memory where the
+      two layouts agree); None for other entries.
   """
 
   start: np.ndarray
@@ -125,6 +126,11 @@ def activations(problem: Problem) -> Activations:
       here = max([pos[op.index]] + [reach[w] for w in op.outputs if w in fused])
       reach[v] = max(reach.get(v, here), here)
 
+  cut_sides: dict[int, list[str]] = {}  # activation cuts (`Problem.read_sides`)
+  for w, side in problem.reader_dims:
+    if isinstance(side, str):
+      cut_sides.setdefault(w, []).append(side)
+
   def last_reader(v, default):
     return reach.get(v, default)
 
@@ -139,6 +145,8 @@ def activations(problem: Problem) -> Activations:
       readers = [c for c in g.consumers.get(v, ()) if c in live]
       if v in fused or (v in carried and not readers):
         continue  # never written out, or written in place into the donated input
+      if problem.cv(v) in problem.free_values and v not in outputs:
+        continue  # a constant (a causal mask): XLA builds it inside its readers
       start.append(j)
       stop.append(end if v in outputs and v not in carried else last_reader(v, j))
       nbytes.append(t.nbytes)
@@ -146,6 +154,23 @@ def activations(problem: Problem) -> Activations:
       dims.append(tuple(None if f is None else problem.vclass(v, d)
                         for d, f in enumerate(rule.outputs[slot])))
       stored.append(None)
+      # Read through a cut (sequence parallelism): each reader on the other side gets
+      # a transient copy in its layout (a norm's output gathered into a dot, a dot's
+      # result reduce-scattered for the residual add). XLA gathers again rather than
+      # keep a gathered copy from the forward pass to the backward (measured on the
+      # tiny zoo under sequence-parallel plans: a copy held from its first reader to
+      # its last over-counted XLA's peak by ~10%).
+      made = dims[-1]
+      for side in cut_sides.get(problem.cv(v), ()):
+        for c in readers:
+          if problem.read_side(problem.view.op_canon.get(c, c), v) != side:
+            continue
+          start.append(pos[c])
+          stop.append(pos[c])
+          nbytes.append(t.nbytes)
+          values.append(v)
+          stored.append(made)
+          dims.append(problem.reader_dims[(problem.cv(v), side)])
   for i in g.inputs:
     use = problem.reader_dims.get((problem.cv(i.value), False))
     readers = sorted(pos[c] for c in g.consumers.get(i.value, ()) if c in live and

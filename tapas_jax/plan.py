@@ -502,28 +502,24 @@ def _constraints(problem: Problem, solution: Solution,
   """Where a cut value is read in another layout than it was made or stored in, the
   reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
   g, view = problem.graph, problem.view
-  copies: dict[int, list[int]] = {}
-  for u, c in view.canon.items():
-    copies.setdefault(c, []).append(u)
   spec = functools.partial(_spec, choice=solution.choice)
   out = []
-  for (v, side), classes in sorted(problem.reader_dims.items(), key=lambda kv: (
-      kv[0][0], str(kv[0][1]))):
-    want = spec(classes)
-    rank = len(g.types[v].shape)
-    if v in fixed:
-      have = PartitionSpec(*fixed[v].to_partition_spec())
-    else:
-      have = spec([problem.value_class.get((v, d)) for d in range(rank)])
-    if want == have:
-      continue  # read as it is: nothing for XLA to be told
-    for u in [v] + copies.get(v, []):
-      for r in g.consumers.get(u, ()):
-        op = g.ops[r]
-        if op.region != 0 or problem.read_side(view.op_canon.get(r, r), v) != side:
-          continue
-        out += [Constraint(site=op.site, slot=k, spec=want)
-                for k, x in enumerate(op.inputs) if x == u]
+  for op in g.region_ops(0):
+    # Each copy reads as the op standing for it does: an interior copy reading the
+    # last layer's output reads it through the representative's cut.
+    rep = view.op_canon.get(op.index, op.index)
+    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
+      classes = problem.read_dims(rep, y)
+      if classes is None or x in g.literals:
+        continue
+      want = spec(classes)
+      if x in fixed:
+        have = PartitionSpec(*fixed[x].to_partition_spec())
+      else:
+        have = spec([problem.value_class.get((problem.cv(x), d))
+                     for d in range(len(g.types[x].shape))])
+      if want != have:  # else read as it is: nothing for XLA to be told
+        out.append(Constraint(site=op.site, slot=k, spec=want))
   # Contractions' results as planned, reduced where they are made: XLA propagates the
   # rest from these, and otherwise picks layouts of its own between them.
   for op in g.region_ops(0):
@@ -536,11 +532,12 @@ def _constraints(problem: Problem, solution: Solution,
     made = spec([None if f is None else problem.vclass(v, d)
                  for d, f in enumerate(rule.outputs[0])])
     for r in g.consumers.get(v, ()):
-      reader = g.ops[r]
-      if reader.region != 0 or problem.read_dims(view.op_canon.get(r, r), v) is not None:
-        continue  # read through a cut: pinned above
+      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
+      if reader.region != 0:
+        continue
       out += [Constraint(site=reader.site, slot=k, spec=made)
-              for k, x in enumerate(reader.inputs) if x == v]
+              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
+              if x == v and problem.read_dims(rep_r, y) is None]  # else pinned above
   return tuple(out)
 
 

@@ -3,21 +3,23 @@ applied by XLA as gathers into the dots and reductions out of them, and the same
 numbers as unsharded.
 
 Two things make it expressible (`solver/problem.py`): values made from no input (the
-causal mask) take any layout where they are read, and activations flowing between a
-contraction with a weight and other ops may hold their sequence dim apart on the two
-sides (a cut, priced as the gather or reduce-scatter it takes).
+causal mask) take any layout where they are read (always on), and with
+`sequence_parallel=True` activations where the model's width meets a contraction with a
+weight may hold their positions apart on the two sides (a cut, priced as the gather or
+reduce-scatter it takes).
 """
 
 import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import tapas_jax as tapas
-from tapas_jax import api, cost, measure, models, solver
+from tapas_jax import api, cost, measure, models, solver, trace
 from tapas_jax.solver import memory, tables
 
 MESH = {"data": 2, "model": 4}
@@ -31,36 +33,44 @@ BANDWIDTH_ONLY = dataclasses.replace(cost.get_profile("h100"), name="h100-no-lat
                                      intra_latency_s=0.0, inter_latency_s=0.0)
 
 
-def _scores(graph, seq):
-  """The attention scores' dot_generals: a result with two dims of the sequence length."""
-  return [op for op in graph.ops if op.primitive == "dot_general" and op.region == 0
-          and list(graph.types[op.outputs[0]].shape).count(seq) == 2]
+def _cross_attention(wq, wk, wv, xq, xk):
+  """Causal attention of one sequence's queries over another's keys."""
+  q, k, v = xq @ wq, xk @ wk, xk @ wv
+  scores = jnp.einsum("bqd,bkd->bqk", q, k)
+  pos = jnp.arange(xq.shape[1])
+  scores = jnp.where(pos[:, None] >= pos[None, :], scores, -1e9)
+  return jnp.sum(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores), v))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_causal_mask_leaves_query_and_key_positions_splittable(family):
-  m = models.get_model(family, "tiny")
-  seq = m.config.seq_len
-  prep = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=MESH,
-                     device="h100")
-  p, g = prep.problem, prep.graph
-  # The mask (iota, broadcasts, a compare) is made from no input: free where read.
-  masks = [op for op in g.ops if op.primitive == "iota" and op.region == 0]
-  assert masks and all(p.cv(op.outputs[0]) in p.free_values for op in masks)
-  scores = [op for op in _scores(g, seq) if op.index in p.factor_class]
-  assert scores, "no attention scores found"
-  for op in scores:
-    out = p.rules[op.index].outputs[0]
-    q, k = (p.factor_class[op.index][out[d]] for d in range(len(out))
-            if g.types[op.outputs[0]].shape[d] == seq)
-    assert q != k, op.name_stack
-    assert p.classes[q].splittable and p.classes[k].splittable, (
-        p.classes[q], p.classes[k])
-  # Without the cuts the query and key positions are the residual's one sequence
-  # class (both made from the same activation), which the scores hold twice.
-  whole = solver.build_problem(g, p.mesh, p.profile, p.batch_axes, view=p.view,
-                               sequence_cuts=False)
-  assert not all(c.splittable for c in whole.classes if c.size == seq)
+def test_a_causal_mask_joins_no_positions_and_costs_nothing():
+  w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  x = jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)
+  g = trace.trace(_cross_attention, w, w, w, x, x)
+  profile = cost.get_profile("h100")
+  p = solver.build_problem(g, cost.mesh_spec(MESH, profile), profile, None)
+  # The mask (an iota, broadcasts, a compare) is made from no input: free where read.
+  made = [op for op in g.ops if op.primitive in ("iota", "ge")]
+  assert made and all(p.cv(op.outputs[0]) in p.free_values for op in made)
+  builder = tables.TableBuilder(p, reuse=False)
+  assert all(builder.op_tables(op) == [] for op in made)
+  # So it no longer joins the query and key positions into one class the scores hold
+  # twice (unsplittable): each splits on its own.
+  (scores,) = [op for op in g.ops if op.primitive == "dot_general"
+               and g.types[op.outputs[0]].shape == (8, 32, 32)]
+  out = p.rules[scores.index].outputs[0]
+  q, k = (p.factor_class[scores.index][out[d]] for d in (1, 2))
+  assert q != k
+  assert p.classes[q].splittable and p.classes[k].splittable
+
+
+def test_zoo_masks_are_free():
+  for family in ("gpt", "llama"):
+    m = models.get_model(family, "tiny")
+    prep = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=MESH,
+                       device="h100")
+    masks = [op for op in prep.graph.ops if op.primitive == "iota" and op.region == 0]
+    assert masks and all(prep.problem.cv(op.outputs[0]) in prep.problem.free_values
+                         for op in masks), family
 
 
 def _with_sgd(m):
@@ -76,7 +86,7 @@ def _prepared():
   m = _with_sgd(models.get_model("gpt", "tiny", seq_len=SEQ))
   args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
   prep = api.prepare(args[0], args[1:], mesh=MESH, device=BANDWIDTH_ONLY,
-                     batch_axes=("data",))
+                     batch_axes=("data",), sequence_parallel=True)
   return m, args, prep
 
 
@@ -92,8 +102,7 @@ def test_sequence_parallelism_is_chosen_where_cheaper():
   _, _, prep = _prepared()
   p, g = prep.problem, prep.graph
   sp = solver.solve(p, reuse=True, memory_budget=float("inf"), folded=prep.folded)
-  whole = solver.build_problem(g, p.mesh, p.profile, p.batch_axes, view=p.view,
-                               sequence_cuts=False)
+  whole = solver.build_problem(g, p.mesh, p.profile, p.batch_axes, view=p.view)
   plain = solver.solve(whole, reuse=True, memory_budget=float("inf"), folded=prep.folded)
   # The residual stream's sequence is split on the tensor axis between the dots...
   adds = _residual_adds(g)
@@ -129,7 +138,7 @@ def test_sequence_parallelism_is_chosen_where_cheaper():
 def _sp_plan():
   _, args, _ = _prepared()
   return tapas.search(*args, mesh=MESH, device=BANDWIDTH_ONLY, batch_axes=("data",),
-                      memory_budget=float("inf"))
+                      memory_budget=float("inf"), sequence_parallel=True)
 
 
 def test_the_plan_reports_the_split_sequence():

@@ -126,11 +126,6 @@ def activations(problem: Problem) -> Activations:
       here = max([pos[op.index]] + [reach[w] for w in op.outputs if w in fused])
       reach[v] = max(reach.get(v, here), here)
 
-  cut_sides: dict[int, list[str]] = {}  # activation cuts (`Problem.read_sides`)
-  for w, side in problem.reader_dims:
-    if isinstance(side, str):
-      cut_sides.setdefault(w, []).append(side)
-
   def last_reader(v, default):
     return reach.get(v, default)
 
@@ -161,16 +156,21 @@ def activations(problem: Problem) -> Activations:
       # tiny zoo under sequence-parallel plans: a copy held from its first reader to
       # its last over-counted XLA's peak by ~10%).
       made = dims[-1]
-      for side in cut_sides.get(problem.cv(v), ()):
-        for c in readers:
-          if problem.read_side(problem.view.op_canon.get(c, c), v) != side:
+      for c in readers:
+        rep = problem.view.op_canon.get(c, c)
+        for k, x in enumerate(g.ops[c].inputs):
+          # Read as the op standing for this one reads its operand (an interior copy
+          # reading the last layer's output reads it as the representative does).
+          y = problem.cv(g.ops[rep].inputs[k])
+          side = problem.read_sides.get((rep, y))
+          if x != v or side is None:
             continue
           start.append(pos[c])
           stop.append(pos[c])
           nbytes.append(t.nbytes)
           values.append(v)
           stored.append(made)
-          dims.append(problem.reader_dims[(problem.cv(v), side)])
+          dims.append(problem.reader_dims[(y, side)])
   for i in g.inputs:
     use = problem.reader_dims.get((problem.cv(i.value), False))
     readers = sorted(pos[c] for c in g.consumers.get(i.value, ()) if c in live and

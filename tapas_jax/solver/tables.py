@@ -2,8 +2,9 @@
 
 Cost = sum over ops of compute and the collectives on its input edges (`cost.reshard`
 from the producer's layout, partial sums included, to the layout the op needs), the cuts
-between the state update and the compute, plus state carried from outputs back to
-inputs. Each op's cost depends only on the few classes it touches, so the objective is a
+between the state update and the compute and between contractions and the ops around
+them (sequence parallelism's gathers and reduce-scatters), plus state carried from
+outputs back to inputs. Each op's cost depends only on the few classes it touches, so the objective is a
 sum of small tables over class variables.
 
 Compute is a roofline: max(FLOPs per device / peak, bytes moved per device / HBM
@@ -383,12 +384,41 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
     weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
+  copies = _activation_cut_copies(problem, builder)
   for v, side in problem.reader_dims:
-    readers = [i for i in builder.users.get(v, ()) if problem.read_side(i, v) == side]
-    w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
+    if isinstance(side, str):
+      w = copies.get((v, side), 1)
+    else:
+      readers = [i for i in builder.users.get(v, ()) if problem.read_side(i, v) == side]
+      w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
     weighted.append((builder.cut_table(v, side), w))
   return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
           for t, w in weighted if t is not None]
+
+
+def _activation_cut_copies(problem: Problem, builder: TableBuilder
+                           ) -> dict[tuple[int, object], int]:
+  """(value, side) -> how many times the program goes through that activation cut.
+
+  Once per copy of the value read on that side, counted on the whole program: an
+  encoder output every decoder layer reads is gathered once; the last layer's output,
+  read by an interior copy the folded view stands in for, is one more copy of the
+  representative's. A loop body's cut runs once per trip.
+  """
+  g, view = problem.graph, problem.view
+  searched = {op.index for op in builder.ops}
+  read: dict[tuple[int, object], dict[int, int]] = {}
+  for op in g.ops:
+    rep = view.op_canon.get(op.index, op.index)
+    if rep not in searched:
+      continue
+    unit = view.weight.get(op.index, 1) if op.region != 0 else 1
+    for x, y in zip(op.inputs, g.ops[rep].inputs):
+      side = problem.read_sides.get((rep, problem.cv(y)))
+      if side is not None:
+        seen = read.setdefault((problem.cv(y), side), {})
+        seen[x] = max(seen.get(x, 0), unit)
+  return {key: sum(seen.values()) for key, seen in read.items()}
 
 
 def evaluate_tables(tables: Iterable[Table], choice_idx: Mapping[int, int]) -> tuple[float, float]:

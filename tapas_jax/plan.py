@@ -504,6 +504,26 @@ def _constraints(problem: Problem, solution: Solution,
   g, view = problem.graph, problem.view
   spec = functools.partial(_spec, choice=solution.choice)
   out = []
+  # Contractions' results as planned, reduced where they are made: XLA propagates the
+  # rest from these, and otherwise picks layouts of its own between them. A reader
+  # through a cut gets the made layout first, then its own (below): XLA reduces the
+  # result where it is made and reshards it, as the cut is priced.
+  for op in g.region_ops(0):
+    rep = view.op_canon.get(op.index, op.index)
+    rule = problem.rules.get(rep)
+    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
+    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+      continue
+    v = op.outputs[0]
+    made = spec([None if f is None else problem.vclass(v, d)
+                 for d, f in enumerate(rule.outputs[0])])
+    for r in g.consumers.get(v, ()):
+      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
+      if reader.region != 0:
+        continue
+      out += [Constraint(site=reader.site, slot=k, spec=made)
+              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
+              if x == v]
   for op in g.region_ops(0):
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
@@ -520,24 +540,6 @@ def _constraints(problem: Problem, solution: Solution,
                      for d in range(len(g.types[x].shape))])
       if want != have:  # else read as it is: nothing for XLA to be told
         out.append(Constraint(site=op.site, slot=k, spec=want))
-  # Contractions' results as planned, reduced where they are made: XLA propagates the
-  # rest from these, and otherwise picks layouts of its own between them.
-  for op in g.region_ops(0):
-    rep = view.op_canon.get(op.index, op.index)
-    rule = problem.rules.get(rep)
-    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
-    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
-      continue
-    v = op.outputs[0]
-    made = spec([None if f is None else problem.vclass(v, d)
-                 for d, f in enumerate(rule.outputs[0])])
-    for r in g.consumers.get(v, ()):
-      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
-      if reader.region != 0:
-        continue
-      out += [Constraint(site=reader.site, slot=k, spec=made)
-              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
-              if x == v and problem.read_dims(rep_r, y) is None]  # else pinned above
   return tuple(out)
 
 

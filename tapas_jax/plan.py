@@ -450,6 +450,17 @@ def _class_names(problem: Problem) -> dict[int, str]:
   for c in problem.classes:
     if c.batch:
       out.setdefault(c.index, "batch")
+  # Sequence parallelism: positions (a sequence, an image's pixels) held apart by the
+  # contractions with weights and the norms and residual adds between them.
+  for (v, side), dims in problem.reader_dims.items():
+    if side not in ("dot", "elem"):
+      continue
+    for d, c in enumerate(dims):
+      made = problem.value_class[(v, d)]
+      if c != made:
+        inside, outside = (c, made) if side == "dot" else (made, c)
+        out.setdefault(outside, "positions between contractions")
+        out.setdefault(inside, "positions in contractions")
   return out
 
 
@@ -491,29 +502,12 @@ def _constraints(problem: Problem, solution: Solution,
   """Where a cut value is read in another layout than it was made or stored in, the
   reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
   g, view = problem.graph, problem.view
-  copies: dict[int, list[int]] = {}
-  for u, c in view.canon.items():
-    copies.setdefault(c, []).append(u)
   spec = functools.partial(_spec, choice=solution.choice)
   out = []
-  for (v, in_update), classes in sorted(problem.reader_dims.items()):
-    want = spec(classes)
-    rank = len(g.types[v].shape)
-    if v in fixed:
-      have = PartitionSpec(*fixed[v].to_partition_spec())
-    else:
-      have = spec([problem.value_class.get((v, d)) for d in range(rank)])
-    if want == have:
-      continue  # read as it is: nothing for XLA to be told
-    for u in [v] + copies.get(v, []):
-      for r in g.consumers.get(u, ()):
-        op = g.ops[r]
-        if op.region != 0 or (view.op_canon.get(r, r) in problem.update_ops) != in_update:
-          continue
-        out += [Constraint(site=op.site, slot=k, spec=want)
-                for k, x in enumerate(op.inputs) if x == u]
   # Contractions' results as planned, reduced where they are made: XLA propagates the
-  # rest from these, and otherwise picks layouts of its own between them.
+  # rest from these, and otherwise picks layouts of its own between them. A reader
+  # through a cut gets the made layout first, then its own (below): XLA reduces the
+  # result where it is made and reshards it, as the cut is priced.
   for op in g.region_ops(0):
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
@@ -524,12 +518,28 @@ def _constraints(problem: Problem, solution: Solution,
     made = spec([None if f is None else problem.vclass(v, d)
                  for d, f in enumerate(rule.outputs[0])])
     for r in g.consumers.get(v, ()):
-      reader = g.ops[r]
-      if reader.region != 0 or (problem.cv(v), view.op_canon.get(r, r) in problem.update_ops) \
-          in problem.reader_dims:
-        continue  # read through a cut: pinned above
+      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
+      if reader.region != 0:
+        continue
       out += [Constraint(site=reader.site, slot=k, spec=made)
-              for k, x in enumerate(reader.inputs) if x == v]
+              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
+              if x == v]
+  for op in g.region_ops(0):
+    # Each copy reads as the op standing for it does: an interior copy reading the
+    # last layer's output reads it through the representative's cut.
+    rep = view.op_canon.get(op.index, op.index)
+    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
+      classes = problem.read_dims(rep, y)
+      if classes is None or x in g.literals:
+        continue
+      want = spec(classes)
+      if x in fixed:
+        have = PartitionSpec(*fixed[x].to_partition_spec())
+      else:
+        have = spec([problem.value_class.get((problem.cv(x), d))
+                     for d in range(len(g.types[x].shape))])
+      if want != have:  # else read as it is: nothing for XLA to be told
+        out.append(Constraint(site=op.site, slot=k, spec=want))
   return tuple(out)
 
 

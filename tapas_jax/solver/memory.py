@@ -90,8 +90,9 @@ class Activations:
     dims: class of each dim as it is made (None: made whole).
     length: number of top-level ops.
     values: the value id of each entry.
-    stored: for a parameter's gathered copy, the classes it is stored over (the copy
-      takes no memory where the two layouts agree); None for other entries.
+    stored: for a parameter's gathered copy, or an activation's copy read through a
+      cut, the classes it is stored (made) over (the copy takes no memory where the
+      two layouts agree); None for other entries.
     unless: per entry, classes any of which split makes the entry vanish (a donated
       input's copy, gone once gradients are all-reduced); entries past its end (added
       by a later stage) have none.
@@ -219,6 +220,8 @@ def activations(problem: Problem) -> Activations:
       made = tuple(None if f is None else problem.vclass(v, d)
                    for d, f in enumerate(rule.outputs[slot]))
       whole = not (v in fused or (v in carried and not readers))
+      if problem.cv(v) in problem.free_values and v not in outputs:
+        whole = False  # a constant (a causal mask): XLA builds it inside its readers
       if whole:  # else never written out, or written in place into the donated input
         start.append(j)
         stop.append(end if v in outputs and v not in carried else last_reader(v, j))
@@ -226,6 +229,27 @@ def activations(problem: Problem) -> Activations:
         values.append(v)
         dims.append(made)
         stored.append(None)
+        # Read through a cut (sequence parallelism): each reader on the other side gets
+        # a transient copy in its layout (a norm's output gathered into a dot, a dot's
+        # result reduce-scattered for the residual add). XLA gathers again rather than
+        # keep a gathered copy from the forward pass to the backward (measured on the
+        # tiny zoo under sequence-parallel plans: a copy held from its first reader to
+        # its last over-counted XLA's peak by ~10%).
+        for c in readers:
+          rep = problem.view.op_canon.get(c, c)
+          for k, x in enumerate(g.ops[c].inputs):
+            # Read as the op standing for this one reads its operand (an interior copy
+            # reading the last layer's output reads it as the representative does).
+            y = problem.cv(g.ops[rep].inputs[k])
+            side = problem.read_sides.get((rep, y))
+            if x != v or side is None:
+              continue
+            start.append(pos[c])
+            stop.append(pos[c])
+            nbytes.append(t.nbytes)
+            values.append(v)
+            stored.append(made)
+            dims.append(problem.reader_dims[(y, side)])
       if v in delivered:  # the reduced copy waits for the update, not the whole one
         start.append(min(made_at(v) if op.index in feeding else j + whole,
                          delivered[v][1]))
@@ -345,7 +369,9 @@ _IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
 def _hand_over_in_place(g, top, pos, live, values, stop, start) -> None:
   """Ends an in-place op's operand one position early where the op is its last reader,
   so that its buffer and the op's result (the same memory) are not counted twice."""
-  at = {v: k for k, v in enumerate(values)}
+  at: dict[int, int] = {}
+  for k, v in enumerate(values):
+    at.setdefault(v, k)  # the value as written, not a later copy of it
   for op in top:
     if op.primitive not in _IN_PLACE or op.index not in live or not op.inputs:
       continue

@@ -2,8 +2,9 @@
 
 Cost = sum over ops of compute and the collectives on its input edges (`cost.reshard`
 from the producer's layout, partial sums included, to the layout the op needs), the cuts
-between the state update and the compute, plus state carried from outputs back to
-inputs. Each op's cost depends only on the few classes it touches, so the objective is a
+between the state update and the compute and between contractions and the ops around
+them (sequence parallelism's gathers and reduce-scatters), plus state carried from
+outputs back to inputs. Each op's cost depends only on the few classes it touches, so the objective is a
 sum of small tables over class variables.
 
 Compute is a roofline: max(FLOPs per device / peak, bytes moved per device / HBM
@@ -176,8 +177,9 @@ class TableBuilder:
     primitive, a loop kept whole) couples nothing, so each input edge gets a table of
     its own: one joint table over every operand's classes would grow without bound.
     """
-    if op.index in self.dead:
-      return []
+    if op.index in self.dead or all(self.p.cv(v) in self.p.free_values
+                                     for v in op.outputs):
+      return []  # XLA removes it, or folds it into its readers (a causal mask)
     if self.p.rules[op.index].factor_sizes:
       return [self.op_table(op)]
     return [self.op_table(op, only=k) for k in range(len(op.inputs))]
@@ -190,9 +192,11 @@ class TableBuilder:
     for k, v in enumerate(op.inputs):
       if v in g.literals or not g.types[v].shape or only not in (None, k):
         continue
+      if p.cv(v) in p.free_values:
+        continue  # made where it is read, in any layout (a causal mask)
       # Partial sums arrive reduced: by `resolve_table`, or by `cut_table` in the
       # reader's layout.
-      src_dims = p.reader_dims.get((p.cv(v), op.index in p.update_ops))
+      src_dims = p.read_dims(op.index, v)
       if src_dims is None:
         src_dims = self.fixed.get(v, self._src(v)[0])
       dst_dims = self.operand_classes(op, k)
@@ -221,13 +225,14 @@ class TableBuilder:
     """The one reduction of a partial value, in its producer's layout.
 
     Charged once per value, however many users read it, as XLA reduces it once. A
-    value only the state update reads is reduced by its `cut_table` instead.
+    value read only through cuts (by the state update, or by norms after a
+    sequence-parallel dot) is reduced by its `cut_table`s instead.
     """
     g = self.p.graph
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [c for c in self.users.get(v, ()) if c not in self.p.update_ops]
+    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None]
     if not users and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
@@ -241,15 +246,17 @@ class TableBuilder:
     return self._table(("carry",), [], 0.0, None,
                        [(self.p.graph.types[inp], src_dims, partial, dst)])
 
-  def cut_table(self, v: int, in_update: bool) -> Table | None:
-    """Bringing a value seen apart by the update and the compute into the reader's
-    layout, once per step: a parameter gathered for use (ZeRO-3's all-gather), a
-    gradient reduced into the update's layout (an all-reduce, or a reduce-scatter
-    when the update is split further)."""
+  def cut_table(self, v: int, side) -> Table | None:
+    """Bringing a value seen apart by its maker and some readers into those readers'
+    layout (`Problem.reader_dims`): a parameter gathered for use (ZeRO-3's
+    all-gather), a gradient reduced into the update's layout (an all-reduce, or a
+    reduce-scatter when the update is split further), a norm's output gathered into
+    a sequence-parallel dot, a dot's partial result reduce-scattered into the
+    residual's layout."""
     src_dims, _ = self._src(v)
     src_dims = self.fixed.get(v, src_dims)
-    partial = self.partial_expr(v) if in_update else None
-    dst = self.p.reader_dims[(v, in_update)]
+    partial = self.partial_expr(v)  # None for inputs; reads through cuts skip `resolve`
+    dst = self.p.reader_dims[(v, side)]
     return self._table(("cut",), [], 0.0, None,
                        [(self.p.graph.types[v], src_dims, partial, dst)])
 
@@ -470,12 +477,41 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
     weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
-  for v, in_update in problem.reader_dims:
-    readers = [i for i in builder.users.get(v, ()) if (i in problem.update_ops) == in_update]
-    w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
-    weighted.append((builder.cut_table(v, in_update), w))
+  copies = _activation_cut_copies(problem, builder)
+  for v, side in problem.reader_dims:
+    if isinstance(side, str):
+      w = copies.get((v, side), 1)
+    else:
+      readers = [i for i in builder.users.get(v, ()) if problem.read_side(i, v) == side]
+      w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
+    weighted.append((builder.cut_table(v, side), w))
   return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
           for t, w in weighted if t is not None]
+
+
+def _activation_cut_copies(problem: Problem, builder: TableBuilder
+                           ) -> dict[tuple[int, object], int]:
+  """(value, side) -> how many times the program goes through that activation cut.
+
+  Once per copy of the value read on that side, counted on the whole program: an
+  encoder output every decoder layer reads is gathered once; the last layer's output,
+  read by an interior copy the folded view stands in for, is one more copy of the
+  representative's. A loop body's cut runs once per trip.
+  """
+  g, view = problem.graph, problem.view
+  searched = {op.index for op in builder.ops}
+  read: dict[tuple[int, object], dict[int, int]] = {}
+  for op in g.ops:
+    rep = view.op_canon.get(op.index, op.index)
+    if rep not in searched:
+      continue
+    unit = view.weight.get(op.index, 1) if op.region != 0 else 1
+    for x, y in zip(op.inputs, g.ops[rep].inputs):
+      side = problem.read_sides.get((rep, problem.cv(y)))
+      if side is not None:
+        seen = read.setdefault((problem.cv(y), side), {})
+        seen[x] = max(seen.get(x, 0), unit)
+  return {key: sum(seen.values()) for key, seen in read.items()}
 
 
 def evaluate_tables(tables: Iterable[Table], choice_idx: Mapping[int, int]) -> tuple[float, float]:

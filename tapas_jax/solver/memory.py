@@ -306,7 +306,7 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
   """
   g = problem.graph
   targets = {}  # producer op of a carried next value -> its bit
-  for k, j in g.carried:
+  for k, _ in g.carried:
     p = g.producer.get(g.outputs[k])
     if p in pos:
       targets.setdefault(p, len(targets))

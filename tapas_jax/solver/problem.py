@@ -49,7 +49,8 @@ from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["MODEL_AXIS_NAMES", "DimClass", "Problem", "batch_inputs", "build_problem",
-           "data_axes", "default_batch_axes", "free_values", "update_ops", "warn_batch_unsplit", "with_batch_axes"]
+           "data_axes", "default_batch_axes", "free_values", "update_ops", "warn_batch_unsplit",
+           "with_batch_axes"]
 
 # Mesh axis names that say an axis is meant for the model, not the batch: tensor,
 # expert, sequence and pipeline parallelism (MaxText, Megatron, praxis and t5x

@@ -4,8 +4,8 @@ Cost = sum over ops of compute and the collectives on its input edges (`cost.res
 from the producer's layout, partial sums included, to the layout the op needs), the cuts
 between the state update and the compute and between contractions and the ops around
 them (sequence parallelism's gathers and reduce-scatters), plus state carried from
-outputs back to inputs. Each op's cost depends only on the few classes it touches, so the objective is a
-sum of small tables over class variables.
+outputs back to inputs. Each op's cost depends only on the few classes it touches, so
+the objective is a sum of small tables over class variables.
 
 Compute is a roofline: max(FLOPs per device / peak, bytes moved per device / HBM
 bandwidth), where the bytes are the op's operands and results as one device holds them

@@ -64,6 +64,9 @@ _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, 
                                 "(expert baselines), or plan:PATH (a saved plan).")
 _BATCH_AXES = flags.DEFINE_string("batch_axes", None, "Mesh axes the search may split the "
                                   "batch over, comma-separated, or 'any'; default: every axis.")
+_SEQUENCE_PARALLEL = flags.DEFINE_bool(
+    "sequence_parallel", False, "Let the search also split positions between contractions "
+    "(Megatron-SP: gathered into the dots, reduce-scattered out); --strategy=tapas only.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")
@@ -239,6 +242,7 @@ class Settings:
   device: str | None
   memory_budget: float | None
   batch_axes: object
+  sequence_parallel: bool
   steps: int
   batch_size: int
   seed: int
@@ -263,6 +267,10 @@ def read_settings() -> Settings:
   mesh_axes = parse_mesh(_MESH.value or config.mesh)
   strategy, plan_path = parse_strategy(_STRATEGY.value)
   budget = parse_bytes(_MEMORY_BUDGET.value) if _MEMORY_BUDGET.value else None
+  if _SEQUENCE_PARALLEL.value and strategy != "tapas":
+    raise LaunchError(f"--sequence_parallel: only the search (--strategy=tapas) chooses "
+                      f"sequence parallelism; --strategy={_STRATEGY.value} is a fixed layout. "
+                      f"Drop the flag or use --strategy=tapas")
   batch_axes = "default"  # tapas.search's own default
   if _BATCH_AXES.value == "any":
     batch_axes = None
@@ -280,7 +288,8 @@ def read_settings() -> Settings:
       raise LaunchError(f"--device: {e}") from None
   return Settings(config=config, model=build_model(config), mesh_axes=mesh_axes,
                   strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
-                  memory_budget=budget, batch_axes=batch_axes, steps=steps,
+                  memory_budget=budget, batch_axes=batch_axes,
+                  sequence_parallel=_SEQUENCE_PARALLEL.value, steps=steps,
                   batch_size=batch_size,
                   seed=config.seed if _SEED.value is None else _SEED.value,
                   workdir=_WORKDIR.value)
@@ -329,7 +338,8 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
     if settings.strategy == "tapas":
       return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
                           device=settings.device, memory_budget=settings.memory_budget,
-                          batch_axes=settings.batch_axes)
+                          batch_axes=settings.batch_axes,
+                          sequence_parallel=settings.sequence_parallel)
     return baselines.baseline(_STRATEGIES[settings.strategy], train_step, state_spec,
                               batch_spec, mesh=mesh, device=settings.device,
                               family=settings.config.family)

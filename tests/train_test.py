@@ -122,6 +122,8 @@ BAD = [
     ("garbage_plan", lambda p: [_bad_plan(p)], "cannot read the plan file"),
     ("zero_steps", lambda p: ["--steps=0"], "--steps=0"),
     ("bad_budget", lambda p: ["--memory_budget=lots"], "--memory_budget=lots"),
+    ("sp_fixed_layout", lambda p: ["--strategy=dp", "--sequence_parallel"],
+     "--sequence_parallel: only the search"),
     ("unknown_device", lambda p: ["--device=tpu-v9"], "tpu-v9"),
     ("unwritable_workdir", lambda p: [_unwritable(p)], "not a writable directory"),
     ("does_not_fit", lambda p: ["--batch_size=4194304"], "cannot be met"),  # by the search

@@ -179,7 +179,11 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
     return acts
   g = problem.graph
   pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
-  at = {v: k for k, v in enumerate(acts.values)}
+  at: dict[int, int] = {}
+  for k, v in enumerate(acts.values):
+    # The value as made (or a parameter's gathered copy), not a later entry for it:
+    # a copy read through a cut, a donated input's copy.
+    at.setdefault(v, k)
   start, stop = acts.start.copy(), acts.stop.copy()
   stored = acts.stored or (None,) * len(acts.dims)
   extra_start, extra_stop, extra_bytes, extra_dims, extra_values = [], [], [], [], []

@@ -148,17 +148,24 @@ def _concrete():
   return step, args, jax.jit(step)(*args)
 
 
-@pytest.mark.parametrize("policy", remat.POLICIES)
-def test_applied_remat_computes_the_same_step_and_really_recomputes(policy):
-  _, _, plan = _budgeted()
-  step, args, (want_params, want_loss) = _concrete()
-  plan = dataclasses.replace(plan, remat=(("Block", policy),))
+def _applied_like_unsharded(plan, step, args, want_params, want_loss):
+  """The plan applied to step: its loss and updated parameters equal the unsharded
+  step's; returns the applied step and its placed arguments."""
   applied = tapas.apply(plan, step)
   placed = tapas.place(plan, *args)
   params, loss = applied(*placed)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  return applied, placed
+
+
+@pytest.mark.parametrize("policy", remat.POLICIES)
+def test_applied_remat_computes_the_same_step_and_really_recomputes(policy):
+  _, _, plan = _budgeted()
+  step, args, (want_params, want_loss) = _concrete()
+  plan = dataclasses.replace(plan, remat=(("Block", policy),))
+  applied, placed = _applied_like_unsharded(plan, step, args, want_params, want_loss)
   # The recompute survives XLA (not merged back into the forward): more FLOPs.
   flops = applied.lower(*placed).compile().cost_analysis()["flops"]
   plain = tapas.apply(dataclasses.replace(plan, remat=()), step)
@@ -295,13 +302,8 @@ def test_applied_fsdp_with_remat_computes_the_same_step_and_gathers_again():
   step, args, (want_params, want_loss) = _concrete()
   compiled = {}
   for policy in (None, "nothing_saveable"):
-    plan = _fsdp(policy)
-    applied = tapas.apply(plan, step)
-    placed = tapas.place(plan, *args)
-    params, loss = applied(*placed)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    applied, placed = _applied_like_unsharded(_fsdp(policy), step, args, want_params,
+                                              want_loss)
     compiled[policy] = measure.measure(applied.lower(*placed).compile(), 8)
   # XLA keeps the backward's gathers apart from the forward's: more bytes gathered.
   assert (compiled["nothing_saveable"].comm_bytes["all-gather"]

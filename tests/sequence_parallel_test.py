@@ -148,21 +148,11 @@ def test_the_plan_reports_the_split_sequence():
   assert "positions between contractions" in plan.summary()
 
 
-def test_sequence_parallel_plan_computes_the_same_numbers():
+def test_sequence_parallel_plan_computes_the_same_numbers(two_steps):
   m, args, _ = _prepared()
   plan = _sp_plan()
   assert any(c.spec != jax.sharding.PartitionSpec() for c in plan.constraints)
-  state = m.init(jax.random.key(0))
-  batch = m.make_batch(jax.random.key(1), 2)
-  step = tapas.apply(plan, m.train_step())
-  placed = tapas.place(plan, state, batch)
-  s1, out1 = step(*placed)
-  s2, out2 = step(s1, placed[1])
-  ref = jax.jit(m.train_step())
-  r1, ref1 = ref(state, batch)
-  r2, ref2 = ref(r1, batch)
-  np.testing.assert_allclose(out1["loss"], ref1["loss"], rtol=2e-6)
-  np.testing.assert_allclose(out2["loss"], ref2["loss"], rtol=2e-5)
+  step, placed, (_, s2), (_, r2) = two_steps(plan, m, 2)
   for got, want in zip(jax.tree.leaves(s2), jax.tree.leaves(r2)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 

@@ -4,7 +4,8 @@ Each plan is compiled twice for an 8-device CPU mesh (never run): through
 `tapas.apply` (the plan's shardings and the constraints it pins inside the step), and
 with its `in_specs` as `in_shardings` alone. Compiled figures are read off the
 partitioned HLO (`tapas_jax.measure`). XLA on CPU forms no reduce-scatter: it does an
-all-reduce and a slice, so ZeRO plans show up to 2x their predicted gradient traffic.
+all-reduce and a slice, which `measure` counts as the reduce-scatter XLA's GPU and TPU
+pipelines make of it; the "CPU sends" column is what XLA:CPU itself sends.
 
   python scripts/bench_compiled.py                  # GPT-2 small width, 4 layers
   python scripts/bench_compiled.py --layers 2 --seq 256
@@ -67,7 +68,9 @@ def main(argv=None):
   unlimited = float("inf")  # the free plan; the default budget is the device's HBM
   makers = {"search": lambda: search(memory_budget=unlimited),
             "search, batch on data": lambda: search(memory_budget=unlimited,
-                                                    batch_axes=("data",))}
+                                                    batch_axes=("data",)),
+            "search, no seq. parallel": lambda: search(memory_budget=unlimited,
+                                                       sequence_parallel=False)}
   for name in baselines.BASELINES:
     makers[name] = lambda name=name: baselines.baseline(name, step, state, batch, mesh=MESH,
                                                         device="h100", family="gpt")
@@ -80,7 +83,8 @@ def main(argv=None):
   if unknown:
     parser.error(f"--plans: unknown {unknown}; choose from {list(makers)}")
   plans = {name: makers[name]() for name in wanted}
-  print(f"{'plan':<26} {'pred ms':>8} {'pred MiB':>9} {'XLA MiB':>8} {'in_specs only':>13} "
+  print(f"{'plan':<26} {'pred ms':>8} {'pred MiB':>9} {'XLA MiB':>8} {'CPU sends':>9} "
+        f"{'in_specs only':>13} "
         f"{'XLA AR/AG/RS/A2A/CP MiB':>24} {'pred GiB':>9} {'XLA GiB':>8} {'in_specs only':>13} "
         f"{'pins':>5}")
   rows = []
@@ -91,6 +95,7 @@ def main(argv=None):
     kinds = "/".join(f"{c[k] / 2**20:.0f}" for k in measure._KINDS)
     print(f"{name:<26} {s.predicted_step_s * 1e3:>8.3f} "
           f"{s.predicted_comm_bytes / 2**20:>9.1f} {c['total'] / 2**20:>8.1f} "
+          f"{(c['total'] + c[measure.SLICED]) / 2**20:>9.1f} "
           f"{bare.comm_bytes['total'] / 2**20:>13.1f} {kinds:>24} "
           f"{s.predicted_memory_bytes / 2**30:>9.3f} {got.memory_bytes / 2**30:>8.3f} "
           f"{bare.memory_bytes / 2**30:>13.3f} {len(plan.constraints):>5}", flush=True)

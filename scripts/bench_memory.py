@@ -11,6 +11,12 @@ state's buffers; other outputs live to the end).
   python scripts/bench_memory.py                      # tiny configs, search + baselines
   python scripts/bench_memory.py --config small       # SMALL below: real widths, 2 layers
   python scripts/bench_memory.py --models gpt --config gpt2-small --set num_layers=2
+  python scripts/bench_memory.py --config small --plans search,search-no-sp
+      # the search with and without sequence parallelism, side by side
+
+Also printed: the predicted step and the bytes each device sends, predicted and as XLA
+compiles them (`tapas_jax.measure`: an all-reduce read only as 1/n slices counts as
+the reduce-scatter GPUs and TPUs run).
 """
 
 import argparse
@@ -57,6 +63,9 @@ def plans_for(family, step, state, batch, kinds, device):
   for kind in kinds:
     if kind == "search":
       out[kind] = tapas.search(step, state, batch, mesh=MESH, device=device)
+    elif kind == "search-no-sp":  # without sequence parallelism, to compare
+      out[kind] = tapas.search(step, state, batch, mesh=MESH, device=device,
+                               sequence_parallel=False)
     else:
       out[kind] = baselines.baseline(kind, step, state, batch, mesh=MESH, device=device,
                                      family=family)
@@ -86,7 +95,8 @@ def main():
         f"{args.batch}, mesh {MESH}, {args.device} profile, state donated, jax "
         f"{jax.__version__}")
   print(f"{'model':<10} {'plan':<14} {'pred MiB':>9} {'XLA MiB':>9} {'pred/XLA':>8} "
-        f"{'args MiB':>9} {'temp MiB':>9} {'out-alias':>9} {'s':>5}")
+        f"{'args MiB':>9} {'temp MiB':>9} {'out-alias':>9} {'pred ms':>8} "
+        f"{'sent: pred':>10} {'XLA MiB':>8} {'s':>5}")
   for family in families.split(","):
     config, trimmed = SMALL[family] if args.config == "small" else (args.config, {})
     m = models.get_model(family, config, **{**trimmed, **overrides})
@@ -100,6 +110,9 @@ def main():
             f"{pred / got.memory_bytes:>8.2f} {got.argument_bytes / 2**20:>9.3f} "
             f"{got.temp_bytes / 2**20:>9.3f} "
             f"{(got.output_bytes - got.alias_bytes) / 2**20:>9.3f} "
+            f"{plan.stats.predicted_step_s * 1e3:>8.3f} "
+            f"{plan.stats.predicted_comm_bytes / 2**20:>10.2f} "
+            f"{got.comm_bytes['total'] / 2**20:>8.2f} "
             f"{time.perf_counter() - start:>5.1f}", flush=True)
 
 

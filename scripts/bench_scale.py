@@ -8,7 +8,8 @@ expert layouts, each with the fastest remat policy of the three the cost model k
 that fits (as recipes tune `remat_policy`; MaxText's "full" is nothing_saveable,
 "minimal" saves the dots): MaxText-style FSDP (batch and every parameter and optimizer
 state over every axis), Megatron tensor parallel on `model` x data parallel, and
-plain data parallel. All are costed by the same model: predicted step time, bytes
+plain data parallel; and our search without sequence parallelism ("tapas, no SP"),
+to show what it adds. All are costed by the same model: predicted step time, bytes
 sent, memory per device, whether it fits. Nothing is compiled or allocated. Each
 row's search time (trace, fold, search, end to end) is printed; the 8B 64-chip one
 is the 32-layer LLaMA-3-8B on 8 x 8.
@@ -104,6 +105,14 @@ def main():
           print(f"  tapas: no plan fits ({time.perf_counter() - start:.1f} s): "
                 f"{str(e)[:400]}", flush=True)
           best = None
+        start = time.perf_counter()
+        try:  # the same search without sequence parallelism, to show what it adds
+          plain = search(*args, mesh=mesh, device=device, batch_axes=None,
+                         sequence_parallel=False)
+          row("tapas, no SP", plain, budget, f"{remat_note(plain)}; search "
+              f"{time.perf_counter() - start:.1f} s")
+        except InfeasibleBudgetError:
+          print("  tapas, no SP: no plan fits", flush=True)
         others = []
         for name in ("fsdp", "megatron", "data_parallel"):
           plan = tuned(name, args, mesh, device, budget)

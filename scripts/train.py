@@ -65,8 +65,9 @@ _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, 
 _BATCH_AXES = flags.DEFINE_string("batch_axes", None, "Mesh axes the search may split the "
                                   "batch over, comma-separated, or 'any'; default: every axis.")
 _SEQUENCE_PARALLEL = flags.DEFINE_bool(
-    "sequence_parallel", False, "Let the search also split positions between contractions "
-    "(Megatron-SP: gathered into the dots, reduce-scattered out); --strategy=tapas only.")
+    "sequence_parallel", True, "Let the search also split positions between contractions "
+    "(Megatron-SP: gathered into the dots, reduce-scattered out) where cheaper; "
+    "--strategy=tapas only. --nosequence_parallel searches without it.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")
@@ -267,7 +268,8 @@ def read_settings() -> Settings:
   mesh_axes = parse_mesh(_MESH.value or config.mesh)
   strategy, plan_path = parse_strategy(_STRATEGY.value)
   budget = parse_bytes(_MEMORY_BUDGET.value) if _MEMORY_BUDGET.value else None
-  if _SEQUENCE_PARALLEL.value and strategy != "tapas":
+  if _SEQUENCE_PARALLEL.value and flags.FLAGS["sequence_parallel"].present \
+      and strategy != "tapas":
     raise LaunchError(f"--sequence_parallel: only the search (--strategy=tapas) chooses "
                       f"sequence parallelism; --strategy={_STRATEGY.value} is a fixed layout. "
                       f"Drop the flag or use --strategy=tapas")

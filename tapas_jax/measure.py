@@ -8,6 +8,14 @@ operand, n times its result) and all-to-all, and S for a
 collective-permute, with n the replica group size. Async pairs count at their
 `-start` (on GPU an all-gather-start's result also lists its operand: 1/n too much).
 
+An all-reduce whose every reader keeps only a 1/n slice of it (a `dynamic-slice`, on
+its own or inside a fusion) is counted as the reduce-scatter it stands for: XLA's GPU
+and TPU pipelines rewrite that pattern into one (`ReduceScatterCreator`); XLA:CPU has
+no such pass and sends twice the bytes. The bytes so counted are also reported under
+`SLICED` (part of "reduce-scatter", not added to "total" again). XLA:CPU itself sends
+"total" + `SLICED` (an all-reduce sends twice a reduce-scatter's bytes), which is what
+`reduce_scatter_creator=False` counts.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -26,7 +34,7 @@ import dataclasses
 import re
 from typing import Any
 
-__all__ = ["Compiled", "collective_bytes", "measure"]
+__all__ = ["Compiled", "SLICED", "collective_bytes", "measure"]
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -51,8 +59,9 @@ def _bytes(types: str) -> int:
 
 
 def _group_size(attrs: str, num_devices: int) -> int:
-  # Shardy's form: replica_groups=mesh['a'=2,'b'=4] {'b'} -> the listed axes' sizes.
-  mesh = re.search(r"replica_groups=mesh\[(.*?)\]\s*\{(.*?)\}", attrs)
+  # Shardy's form: replica_groups=mesh['a'=2,'b'=4] {'b'} -> the listed axes' sizes,
+  # maybe with the devices' order between: mesh[...], device_ids=([2,4]T(1,0)) {'a'}.
+  mesh = re.search(r"replica_groups=mesh\[(.*?)\][^{]*\{(.*?)\}", attrs)
   if mesh:
     sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
     n = 1
@@ -71,23 +80,40 @@ def _group_size(attrs: str, num_devices: int) -> int:
   return num_devices  # empty replica_groups: every device
 
 
-def collective_bytes(hlo_text: str, num_devices: int = 8) -> dict[str, float]:
+SLICED = "reduce-scatter (all-reduce + slice)"
+
+
+def collective_bytes(hlo_text: str, num_devices: int = 8,
+                     reduce_scatter_creator: bool = True) -> dict[str, float]:
   """Bytes sent per device by each kind of collective in partitioned HLO text.
 
   Args:
     hlo_text: `compiled.as_text()`.
     num_devices: devices in the program (for collectives over all of them).
+    reduce_scatter_creator: count an all-reduce read only as 1/n slices as the
+      reduce-scatter XLA's GPU and TPU pipelines make of it (module docstring).
 
   Returns:
-    kind -> bytes per device per execution (a loop body counts once), plus "total".
+    kind -> bytes per device per execution (a loop body counts once), plus "total" and
+    `SLICED` (the part of "reduce-scatter" that XLA:CPU runs as all-reduce + slice).
   """
   out = {k: 0.0 for k in _KINDS}
+  out[SLICED] = 0.0
+  hlo = _Hlo.parse(hlo_text) if reduce_scatter_creator else None
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if m is None:
       continue
     kind, n = m.group("kind"), _group_size(m.group("attrs"), num_devices)
     if n <= 1:
+      continue
+    if kind == "all-reduce" and hlo is not None and " all-reduce(" in line:
+      for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result")):
+        if sliced(n):
+          out["reduce-scatter"] += (n - 1) / n * nbytes
+          out[SLICED] += (n - 1) / n * nbytes
+        else:
+          out["all-reduce"] += 2 * (n - 1) / n * nbytes
       continue
     result = _bytes(m.group("result"))
     if kind == "all-reduce":
@@ -103,6 +129,112 @@ def collective_bytes(hlo_text: str, num_devices: int = 8) -> dict[str, float]:
     out[kind] += sent
   out["total"] = sum(out[k] for k in _KINDS)
   return out
+
+
+# `[ROOT ]%name = <type> <opcode>(<operands>)<attributes>`
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"
+                    r"(?P<op>[\w\-]+)\(")
+# `[ENTRY ]%name (<parameters>) -> <type> {`
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+# Readers that pass a value on whole: a slice of what they make is a slice of it.
+_WHOLE = ("bitcast", "copy", "reshape")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+  name: str
+  type: str
+  op: str
+  args: str  # the text between the opcode's parentheses
+  attrs: str
+
+  @property
+  def operands(self) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", self.args)
+
+
+def _elements(array_type: str) -> int:
+  n = 1
+  for d in filter(None, _ARRAY.findall(array_type)[0][1].split(",")):
+    n *= int(d)
+  return n
+
+
+def _close(rest: str) -> int:
+  """The index of the parenthesis closing an opened one in `rest`."""
+  depth = 1
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return i
+  return len(rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hlo:
+  """Just enough of an HLO module to follow an all-reduce's result to its readers."""
+
+  computations: dict[str, list[_Instr]]
+  where: dict[str, str]  # instruction name -> the computation holding it
+
+  @classmethod
+  def parse(cls, text: str) -> "_Hlo":
+    computations: dict[str, list[_Instr]] = {}
+    where: dict[str, str] = {}
+    current = ""
+    for line in text.splitlines():
+      head = _HEADER.match(line)
+      if head and " = " not in line.split("(", 1)[0]:
+        current = head.group("name")
+        continue
+      m = _INSTR.match(line)
+      if m is None:
+        continue
+      rest = line[m.end():]
+      end = _close(rest)
+      instr = _Instr(m.group("name"), m.group("type"), m.group("op"), rest[:end],
+                     rest[end + 1:])
+      computations.setdefault(current, []).append(instr)
+      where[instr.name] = current
+    return cls(computations, where)
+
+  def _sliced(self, comp: str, name: str, elements: int, n: int) -> bool:
+    """Whether `name` is read, and every reader keeps just 1/n of its elements."""
+    readers = [(i, i.operands.index(name)) for i in self.computations.get(comp, [])
+               if name in i.operands]
+    for instr, slot in readers:
+      if instr.op == "dynamic-slice" and slot == 0:
+        ok = _elements(instr.type) * n == elements
+      elif instr.op in _WHOLE:
+        ok = self._sliced(comp, instr.name, elements, n)
+      elif instr.op == "fusion" and instr.operands.count(name) == 1:
+        called = re.search(r"calls=%([\w.\-]+)", instr.attrs)
+        body = called.group(1) if called else ""
+        params = [i.name for i in self.computations.get(body, [])
+                  if i.op == "parameter" and i.args.strip() == str(slot)]
+        ok = len(params) == 1 and self._sliced(body, params[0], elements, n)
+      else:
+        ok = False
+      if not ok:
+        return False
+    return bool(readers)
+
+  def all_reduce_parts(self, line: str, result: str):
+    """(bytes, n -> whether read only as 1/n slices) per array an all-reduce makes."""
+    m = _INSTR.match(line)
+    arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(result) if t in _ITEMSIZE]
+    if m is None or m.group("name") not in self.where:
+      return [(_bytes(a), lambda n: False) for a in arrays]
+    name, comp = m.group("name"), self.where[m.group("name")]
+    if not result.startswith("("):
+      return [(_bytes(arrays[0]), lambda n: self._sliced(comp, name, _elements(arrays[0]), n))]
+    parts = []
+    for k, a in enumerate(arrays):
+      gtes = [i.name for i in self.computations[comp] if i.op == "get-tuple-element"
+              and i.operands == [name] and re.search(rf"index={k}\b", i.attrs)]
+      parts.append((_bytes(a), lambda n, a=a, gtes=gtes: bool(gtes) and all(
+          self._sliced(comp, g, _elements(a), n) for g in gtes)))
+    return parts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,10 @@ LINES = [
      "collective-permute", 400),
     ("%f = (f32[10]{0}, s32[6]{0}) all-reduce-start(%p, %q), replica_groups=[4,2]<=[8], "
      "to_apply=%add", "all-reduce", 2 * 1 / 2 * (40 + 24)),
+    # Shardy's groups with the devices' order (a transposed mesh): groups of 4, not all 8.
+    ("%g = f32[64]{0} all-reduce(%x), channel_id=1, replica_groups=mesh['axis_0'=4,"
+     "'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add",
+     "all-reduce", 2 * 3 / 4 * 256),
 ]
 
 
@@ -50,3 +54,73 @@ def test_compiled_program_figures_match_the_sharding():
   assert got.comm_bytes["all-reduce"] == pytest.approx(2 * 3 / 4 * 32 * 4)
   assert got.argument_bytes == 64 * 1024 * 4 // 8
   assert got.memory_bytes >= got.argument_bytes
+
+
+# XLA:CPU's form of a reduce-scatter: an all-reduce each reader slices to its 1/n,
+# directly or inside a fusion (through a bitcast), alone or as part of a tuple.
+_SLICED_HLO = """
+%fused (param_0: f32[2,64], param_1: s32[]) -> f32[2,16] {
+  %param_0 = f32[2,64]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %bitcast.1 = f32[2,64]{1,0} bitcast(%param_0)
+  %zero = s32[] constant(0)
+  ROOT %dynamic-slice.1 = f32[2,16]{1,0} dynamic-slice(%bitcast.1, %zero, %param_1), dynamic_slice_sizes={2,16}
+}
+
+ENTRY %main (p: f32[2,64], q: f32[2,64], i: s32[]) -> (f32[2,16], f32[2,16], f32[2,64]) {
+  %p = f32[2,64]{1,0} parameter(0)
+  %q = f32[2,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero.1 = s32[] constant(0)
+  %all-reduce = f32[2,64]{1,0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %fusion = f32[2,16]{1,0} fusion(%all-reduce, %i), kind=kLoop, calls=%fused
+  %all-reduce.1 = (f32[2,64]{1,0}, f32[2,64]{1,0}) all-reduce(%p, %q), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %get-tuple-element = f32[2,64]{1,0} get-tuple-element(%all-reduce.1), index=0
+  %get-tuple-element.1 = f32[2,64]{1,0} get-tuple-element(%all-reduce.1), index=1
+  %dynamic-slice = f32[2,16]{1,0} dynamic-slice(%get-tuple-element, %zero.1, %i), dynamic_slice_sizes={2,16}
+  ROOT %tuple = (f32[2,16]{1,0}, f32[2,16]{1,0}, f32[2,64]{1,0}) tuple(%fusion, %dynamic-slice, %get-tuple-element.1)
+}
+"""  # noqa: E501 - HLO text, one instruction a line
+
+
+def test_an_all_reduce_read_only_as_slices_counts_as_a_reduce_scatter():
+  s = 2 * 64 * 4  # bytes of each all-reduced array; groups of 4
+  got = measure.collective_bytes(_SLICED_HLO)
+  # %all-reduce and the tuple's first array are read as quarters; the second is an
+  # output, read whole: an all-reduce.
+  assert got["reduce-scatter"] == pytest.approx(2 * 3 / 4 * s)
+  assert got[measure.SLICED] == pytest.approx(2 * 3 / 4 * s)
+  assert got["all-reduce"] == pytest.approx(2 * 3 / 4 * s)
+  assert got["total"] == pytest.approx(4 * 3 / 4 * s)
+  # What XLA:CPU itself sends: three all-reduces.
+  cpu = measure.collective_bytes(_SLICED_HLO, reduce_scatter_creator=False)
+  assert cpu["all-reduce"] == cpu["total"] == pytest.approx(3 * 2 * 3 / 4 * s)
+  assert cpu[measure.SLICED] == 0
+  # An all-reduce sends twice a reduce-scatter's bytes: what CPU sends, read off either.
+  assert cpu["total"] == pytest.approx(got["total"] + got[measure.SLICED])
+  # A slice of another size is not a reduce-scatter's share.
+  half = _SLICED_HLO.replace("f32[2,16]{1,0} dynamic-slice(%bitcast.1",
+                             "f32[2,32]{1,0} dynamic-slice(%bitcast.1")
+  assert measure.collective_bytes(half)["reduce-scatter"] == pytest.approx(3 / 4 * s)
+
+
+def test_a_compiled_partial_sum_split_on_its_rows_is_a_reduce_scatter():
+  mesh = tapas.make_mesh({"data": 2, "model": 4})
+  # The contraction is split on `model`: partial sums, wanted split by rows on `model`.
+  f = jax.jit(lambda x, w: x @ w,
+              in_shardings=(NamedSharding(mesh, P(None, "model")),
+                            NamedSharding(mesh, P("model", None))),
+              out_shardings=NamedSharding(mesh, P("model", None)))
+  compiled = f.lower(jax.ShapeDtypeStruct((64, 256), jnp.float32),
+                     jax.ShapeDtypeStruct((256, 128), jnp.float32)).compile()
+  got = measure.measure(compiled, 8).comm_bytes
+  s = 64 * 128 * 4  # the partial sums
+  assert got["reduce-scatter"] == pytest.approx(3 / 4 * s)
+  assert got["all-reduce"] == 0
+  text = compiled.as_text()
+  cpu = measure.collective_bytes(text, reduce_scatter_creator=False)
+  if " reduce-scatter(" in text:  # a backend that makes the reduce-scatter itself
+    assert got[measure.SLICED] == 0
+  else:  # XLA:CPU: an all-reduce and a slice
+    assert got[measure.SLICED] == pytest.approx(3 / 4 * s)
+    assert cpu["all-reduce"] == pytest.approx(2 * 3 / 4 * s)

@@ -138,8 +138,9 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
                      f"pass family= one of {', '.join(sorted(MEGATRON_SPLITS))}")
   batch_axes = options.batch_axes(batch_axes, options.mesh_axes(mesh, "baseline"),
                                   "baseline")
+  # The expert layouts name one layout per value dim: no sequence cuts to leave open.
   prepared = api.prepare(fn, args, mesh=mesh, device=device, batch_axes=None, links=links,
-                         kwargs=kwargs, where="baseline")
+                         kwargs=kwargs, where="baseline", sequence_parallel=False)
   start = time.perf_counter()
   problem, mesh_spec = prepared.problem, prepared.mesh
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)

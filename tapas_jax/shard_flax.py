@@ -238,7 +238,7 @@ def forward_plan(module_plan: ModulePlan, forward: Callable, params, state,
   """
   args = (params, state, *inputs)
   prepared = api.prepare(forward, args, mesh=module_plan.mesh, device=module_plan.plan.device,
-                         batch_axes=None, fold=fold)
+                         batch_axes=None, fold=fold, sequence_parallel=False)
   problem, graph = prepared.problem, prepared.graph
   is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
   train = module_plan.plan

@@ -99,6 +99,17 @@ def test_plan_only_needs_no_devices(tmp_path):
   assert (tmp_path / "plan.txt").read_text().strip() == plan.summary().strip()
 
 
+def test_nosequence_parallel_is_taken_by_every_strategy(tmp_path):
+  """Sequence parallelism is on by default; turning it off is refused nowhere (a fixed
+  layout has none to turn off), asking for it with a fixed layout is (BAD below)."""
+  for strategy in ("tapas", "dp"):
+    run = launch(f"--config={TINY}", "--mesh=data:2,model:4", "--plan_only",
+                 f"--strategy={strategy}", "--nosequence_parallel",
+                 f"--workdir={tmp_path / strategy}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / strategy / "plan.json").exists()
+
+
 def _bad_plan(tmp_path):
   path = tmp_path / "garbage.json"
   path.write_text("{not json")

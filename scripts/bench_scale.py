@@ -16,6 +16,8 @@ is the 32-layer LLaMA-3-8B on 8 x 8.
 
   python scripts/bench_scale.py                  # all rows (minutes each on 2 cores)
   python scripts/bench_scale.py --models=llama3-8b --chips=64 --devices=h100
+  python scripts/bench_scale.py --models=llama3-8b --chips=64 --batch_axes=data \
+      --per_device_batch=1   # tensor parallelism on `model`: where sequence parallelism pays
 
 The model: the zoo's LLaMA (`tapas_jax.models.llama`, adamw) as MaxText runs it:
 bfloat16 activations with float32 weights and optimizer state (MaxText's `dtype`
@@ -79,25 +81,32 @@ def main():
   parser.add_argument("--models", default="llama3-8b,llama3-70b")
   parser.add_argument("--chips", default="64,256")
   parser.add_argument("--devices", default="tpu-v5p,h100")
+  parser.add_argument("--batch_axes", default=None,
+                      help="mesh axes our search may split the batch over, comma-separated "
+                      "(default: every axis); e.g. data, for tensor parallelism on model")
+  parser.add_argument("--per_device_batch", type=int, default=None,
+                      help="default: the recipe's (PER_DEVICE_BATCH)")
   a = parser.parse_args()
+  batch_axes = None if a.batch_axes is None else tuple(a.batch_axes.split(","))
   for size in a.models.split(","):
     for chips in map(int, a.chips.split(",")):
       for device in a.devices.split(","):
         m = models.get_model("llama", size, attention="chunked", attention_chunk=CHUNK,
                              dtype="bfloat16", param_dtype="float32")
-        batch = PER_DEVICE_BATCH[size] * chips
+        per_device = a.per_device_batch or PER_DEVICE_BATCH[size]
+        batch = per_device * chips
         args = (m.train_step(), m.abstract_state(), m.batch_spec(batch))
         mesh = {"data": chips // 8, "model": 8}
         profile = cost.get_profile(device)
         budget = api.default_budget(profile)
         print(f"\n## {size}, {m.config.num_layers} layers, seq {m.config.seq_len}, batch "
-              f"{batch} ({PER_DEVICE_BATCH[size]}/chip), mesh {mesh}, {device} "
+              f"{batch} ({per_device}/chip), mesh {mesh}, {device} "
               f"({profile.hbm_bytes / 2**30:.1f} GiB HBM, budget {budget / 2**30:.1f} GiB)")
         print(f"  {'layout':<16} {'step ms':>11} {'sent GiB':>10} {'memory GiB':>12} "
               f"{'fits':>5}")
         start = time.perf_counter()
         try:
-          ours = search(*args, mesh=mesh, device=device, batch_axes=None)
+          ours = search(*args, mesh=mesh, device=device, batch_axes=batch_axes)
           took = time.perf_counter() - start
           best = row("tapas", ours, budget, f"{remat_note(ours)}; search {took:.1f} s "
                      "end to end")
@@ -107,7 +116,7 @@ def main():
           best = None
         start = time.perf_counter()
         try:  # the same search without sequence parallelism, to show what it adds
-          plain = search(*args, mesh=mesh, device=device, batch_axes=None,
+          plain = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
                          sequence_parallel=False)
           row("tapas, no SP", plain, budget, f"{remat_note(plain)}; search "
               f"{time.perf_counter() - start:.1f} s")

@@ -538,8 +538,16 @@ def _constraints(problem: Problem, solution: Solution,
       else:
         have = spec([problem.value_class.get((problem.cv(x), d))
                      for d in range(len(g.types[x].shape))])
-      if want != have:  # else read as it is: nothing for XLA to be told
-        out.append(Constraint(site=op.site, slot=k, spec=want))
+      if want == have:  # read as it is: nothing for XLA to be told
+        continue
+      made = g.producer.get(x)
+      rule = problem.rules.get(view.op_canon.get(made, made)) if made is not None else None
+      if rule is not None and not rule.reduce and x not in fixed:
+        # Made whole, read split through a cut (a statistic into state stored apart):
+        # pinned as made first, so that XLA slices it here rather than carrying the
+        # split back into the compute that makes it.
+        out.append(Constraint(site=op.site, slot=k, spec=have))
+      out.append(Constraint(site=op.site, slot=k, spec=want))
   return tuple(out)
 
 

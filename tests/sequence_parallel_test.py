@@ -179,7 +179,7 @@ def test_the_contractions_keep_one_layout_of_positions():
   """Only the positions between the contractions split apart (Megatron-SP): every dot
   around attention and the loss's head reads them as one class, so the head cannot
   split positions its own way (XLA reduces such a head's weight gradient, partial over
-  two axes, as two all-reduces: 1.5x the predicted bytes on GPT-2 small)."""
+  two axes, as two all-reduces: 1.47x the predicted bytes on GPT-2 small)."""
   _, _, prep = _prepared()
   p, g = prep.problem, prep.graph
   dot_side, elem_side = set(), set()

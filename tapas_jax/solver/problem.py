@@ -492,7 +492,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   # positions between them split apart): a dim every contraction of the model reads
   # alike stays one class there, so the dots around attention and the loss's head
   # cannot split positions each their own way (XLA lowers those gradients' partial
-  # sums over two axes as two all-reduces: measured 1.5x the predicted bytes on
+  # sums over two axes as two all-reduces: measured 1.47x the predicted bytes on
   # GPT-2 small).
   u = (_unite(graph, view, top, rules, cv, side_of, free,
               lambda v, d: d not in cut_dims[v] or (v, d) in batch_dims,

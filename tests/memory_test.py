@@ -141,12 +141,30 @@ def compiled_case(family, kind):
   return plan.stats.predicted_memory_bytes, got.memory_bytes
 
 
-# Measured (scripts/bench_memory.py, BENCHMARKS.md): searched plans 0.88-0.99 of XLA's
-# figure at tiny (0.80-1.04 at --config small); the rest is XLA:CPU's own copies
-# (broadcasts its library reductions do not fuse, transposed operands around dots).
-@pytest.mark.parametrize("family", models.FAMILIES)
-def test_predicted_memory_is_within_20_percent_of_xla(family):
-  predicted, compiled = compiled_case(family, "search")
+# Rows known to fall outside, and why (measured with scripts/bench_memory.py).
+_OUTSIDE = {
+    # XLA:CPU has no reduce-scatter: it all-reduces FSDP's gradients whole and slices
+    # them (its temporaries are data parallel's to the byte), where GPUs and TPUs
+    # reduce-scatter, as the model counts. Counted whole, these rows come to 0.95-0.99.
+    ("t5", "fsdp"): "XLA:CPU all-reduces gradients whole where GPUs reduce-scatter",
+    ("vit", "fsdp"): "XLA:CPU all-reduces gradients whole where GPUs reduce-scatter",
+    ("resnet", "fsdp"): "convolutions' and batch norms' buffers on XLA:CPU (0.74)",
+    ("resnet", "megatron"): "convolutions' and batch norms' buffers on XLA:CPU (0.66)",
+    # Many 17 KB activations; XLA:CPU materialises the layer norms' scale broadcasts
+    # beside its library dots (~0.1 MiB of 0.57 MiB of temporaries).
+    ("vit", "megatron"): "XLA:CPU's broadcast copies at tiny widths (0.78)",
+}
+
+
+# Measured (scripts/bench_memory.py, BENCHMARKS.md): searched plans 0.87-0.99 of XLA's
+# figure at tiny, the baselines 0.86-1.00 but for the rows above; the rest is XLA:CPU's
+# own copies (broadcasts its library dots do not fuse, transposed operands around dots).
+@pytest.mark.parametrize("family, kind", [
+    pytest.param(f, k, marks=[pytest.mark.xfail(reason=_OUTSIDE[f, k], strict=True)]
+                 if (f, k) in _OUTSIDE else [])
+    for f in models.FAMILIES for k in ("search",) + baselines.BASELINES])
+def test_predicted_memory_is_within_20_percent_of_xla(family, kind):
+  predicted, compiled = compiled_case(family, kind)
   assert predicted == pytest.approx(compiled, rel=0.2)
 
 

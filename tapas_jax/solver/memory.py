@@ -134,11 +134,16 @@ def activations(problem: Problem) -> Activations:
   * Values no output depends on are dropped (dead code).
   * A program output lives to the end, except the next value of carried state: the
     step runs with the state donated, so it is written into its input's buffer (the
-    input is counted among the inputs).
-  * A gradient the update reads in another layout than it is made in (ZeRO) is
-    reduced into that layout where it is made (XLA fuses what lies between into the
-    reduce-scatter): the whole copy lives to its last compute reader, the delivered
-    one to the update.
+    input is counted among the inputs), whatever reads it (a new moment read by the
+    parameter's update is read from there).
+  * A gradient (what the update reads, traced back through the elementwise ops XLA
+    fuses into the update: one per dot or scatter making it, however many moments read
+    it) that a split leaves partial sums is reduced in one reduction combined with
+    every other's, once the last of them is made (XLA's all-reduce combiner): it is
+    kept as made until then, both it and its reduced copy (in the layout the update
+    reads: a reduce-scatter's slice under ZeRO) are live as the reduction runs, and the
+    reduced copy lives to the update. A gradient nothing reduces is used where it is
+    made (XLA runs its update then, in place).
   * A parameter stored apart from its use (ZeRO) is gathered once into its compute
     layout (`apply` pins one copy per value) and that copy lives from its first
     compute reader to its last.
@@ -165,8 +170,8 @@ def activations(problem: Problem) -> Activations:
   def in_update(c):
     return problem.view.op_canon.get(c, c) in problem.update_ops
 
-  # A gradient the update reads in another layout than it is made in (ZeRO) is reduced
-  # into that layout where it is made: value -> (delivered classes, last update reader).
+  # What the update reads of the rest of the program, in the layout it reads it in:
+  # value -> (delivered classes, last update reader).
   delivered = {}
   for op in top:
     for w in op.outputs if op.index in live else ():
@@ -175,8 +180,8 @@ def activations(problem: Problem) -> Activations:
       if read is not None and updates and w not in outputs:
         delivered[w] = (tuple(read), max(updates))
   # Ops that only lead to delivered values through fused values (the moments' `g ** 2`,
-  # `(1 - b) * g`) fuse into the reduction where the gradient is made, whatever the
-  # program order: they do not keep the gradient alive.
+  # `(1 - b) * g`) fuse into the update, after the gradient's reduction, whatever the
+  # program order: they write nothing out of their own.
   feeding: set[int] = set()
   for op in reversed(top):
     if op.index in live and op.outputs and not in_update(op.index) and all(

@@ -303,3 +303,22 @@ def test_gradients_all_reduced_together_are_counted_twice_as_xla_holds_them(case
   jitted = tapas.apply(plan, step, mesh=tapas.make_mesh(mesh), donate_argnums=0)
   got = measure.measure(jitted.lower(state, batch).compile(), 8)
   assert plan.stats.predicted_memory_bytes == pytest.approx(got.memory_bytes, rel=0.1)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_budget_s_tables_count_the_reduction_s_copies_where_it_runs(split):
+  # The gradients' copies held for the combined reduction count only where a split
+  # leaves them partial: the budget's tables at the peak agree with the peak.
+  step, state, batch = _tied_case()
+  p = tapas.api.prepare(step, (state, batch), mesh={"data": 8}, device="h100",
+                        batch_axes=None).problem
+  acts = memory.activations(p)
+  assert any(acts.only_of(k) for k in range(len(acts.values)))
+  choice = batch_choice(p) if split else {}
+  peak, at = memory.activation_peak(p, acts, choice)
+  index = {c: p.domains[c].index(a) for c, a in choice.items()}
+  assert evaluate_tables(memory.activation_tables(p, acts, at), index)[0] == \
+      pytest.approx(peak)
+  held = sum(memory._per_device(p, acts, choice)[k] for k in range(len(acts.values))
+             if acts.only_of(k))
+  assert (held > 0) == split

@@ -198,8 +198,9 @@ def activations(problem: Problem) -> Activations:
     while todo:
       x = todo.pop()
       p = g.producer.get(x)
-      if x in seen or p not in pos or not g.types[x].shape:
-        continue  # an input (a moment scaled in the update), a literal, a scalar
+      if x in seen or p not in pos or not g.types[x].shape or in_update(p):
+        continue  # an input (a moment scaled in the update), a literal, a scalar, or
+        # made by the update itself
       seen.add(x)
       if p in feeding:
         todo.extend(g.ops[p].inputs)

@@ -68,12 +68,14 @@ def _compiled(plan, step, state, batch, constrained):
 
 def test_xla_follows_a_plan_that_stores_parameters_apart_from_their_use():
   # GPT-2 small width, short sequences, batch 2: the state dominates memory and a
-  # tight budget stores parameters split over an axis and gathers them for use (ZeRO).
+  # tight budget (half the unconstrained plan's memory; at 70% splitting the MLP over
+  # `model` is enough) stores parameters split over an axis and gathers them for use
+  # (ZeRO).
   m = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
   step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(2)
   free = tapas.search(step, state, batch, mesh=MESH, device="h100")
   plan = tapas.search(step, state, batch, mesh=MESH, device="h100",
-                      memory_budget=0.7 * free.stats.predicted_memory_bytes)
+                      memory_budget=0.5 * free.stats.predicted_memory_bytes)
   assert any(layer.use_specs for layer in plan.layers)
   applied = _compiled(plan, step, state, batch, constrained=True)
   bare = _compiled(plan, step, state, batch, constrained=False)

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import tapas_jax as tapas
@@ -140,24 +141,42 @@ def compiled_case(family, kind):
   return plan.stats.predicted_memory_bytes, got.memory_bytes
 
 
-# Measured (scripts/bench_memory.py, BENCHMARKS.md): searched plans 0.88-0.99 of XLA's
-# figure at tiny (0.80-1.04 at --config small); the rest is XLA:CPU's own copies
-# (broadcasts its library reductions do not fuse, transposed operands around dots).
-# ResNet's searched plan at tiny: XLA runs it as planned (no collectives) since the
-# new batch statistics are sliced where they are stored (before, XLA split the convs'
-# channels over the mesh, which sent 0.63 MiB unplanned and took 0.91 MiB, matching
-# the 0.88 predicted by accident). Replicated, XLA:CPU takes 1.37 MiB: its peak holds
-# transposed copies of conv operands for its conv library (`transpose_copy_fusion`,
-# ~0.3 MiB) and BatchNorm's centred activations as unfused broadcasts
-# (`broadcast_subtract_fusion`, ~0.35 MiB), read off the live-range dump.
-_OVER_20 = {"resnet": "XLA:CPU's transposed conv operands and BatchNorm broadcasts"}
+# Rows known to fall outside, and why (measured with scripts/bench_memory.py).
+_OUTSIDE = {
+    # XLA:CPU has no reduce-scatter: it all-reduces FSDP's gradients whole and slices
+    # them (its temporaries equal data parallel's), where GPUs and TPUs
+    # reduce-scatter, as the model counts. Counted whole, these rows come to 0.95-0.99.
+    ("t5", "fsdp"): "XLA:CPU all-reduces gradients whole where GPUs reduce-scatter",
+    ("vit", "fsdp"): "XLA:CPU all-reduces gradients whole where GPUs reduce-scatter",
+    # Unchanged by the gradient account (0.73, 0.66 before it). XLA:CPU's peak holds
+    # transposed copies around its library convolutions (`transpose_copy_fusion`) and
+    # batch norms' broadcasts (`broadcast_subtract_fusion`), besides what FSDP's
+    # whole all-reduce adds.
+    ("resnet", "fsdp"): "XLA:CPU's copies around its convolutions; whole all-reduce",
+    ("resnet", "megatron"): "XLA:CPU's copies around its convolutions (0.66)",
+    # Many 17 KB activations; XLA:CPU materialises the layer norms' scale broadcasts
+    # beside its library dots (~0.1 MiB of 0.57 MiB of temporaries).
+    ("vit", "megatron"): "XLA:CPU's broadcast copies at tiny widths (0.78)",
+    # ResNet's searched plan: XLA runs it as planned (no collectives) since the new
+    # batch statistics are sliced where they are stored (before, XLA split the convs'
+    # channels over the mesh, which sent 0.63 MiB unplanned and took 0.91 MiB, matching
+    # the 0.88 predicted by accident). Replicated, XLA:CPU takes 1.37 MiB: its peak
+    # holds transposed copies of conv operands (`transpose_copy_fusion`, ~0.3 MiB) and
+    # BatchNorm's centred activations as unfused broadcasts
+    # (`broadcast_subtract_fusion`, ~0.35 MiB), read off the live-range dump.
+    ("resnet", "search"): "XLA:CPU's copies around its convolutions (0.64)",
+}
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=_OVER_20[f]))
-    if f in _OVER_20 else f for f in models.FAMILIES])
-def test_predicted_memory_is_within_20_percent_of_xla(family):
-  predicted, compiled = compiled_case(family, "search")
+# Measured (scripts/bench_memory.py, BENCHMARKS.md): searched plans 0.87-0.99 of XLA's
+# figure at tiny, the baselines 0.86-1.00 but for the rows above; the rest is XLA:CPU's
+# own copies (broadcasts its library dots do not fuse, transposed operands around dots).
+@pytest.mark.parametrize("family, kind", [
+    pytest.param(f, k, marks=[pytest.mark.xfail(reason=_OUTSIDE[f, k], strict=True)]
+                 if (f, k) in _OUTSIDE else [])
+    for f in models.FAMILIES for k in ("search",) + baselines.BASELINES])
+def test_predicted_memory_is_within_20_percent_of_xla(family, kind):
+  predicted, compiled = compiled_case(family, kind)
   assert predicted == pytest.approx(compiled, rel=0.2)
 
 
@@ -196,8 +215,8 @@ def test_a_scatter_into_its_operand_is_counted_once():
 
 def test_a_gradient_waits_for_the_update_reduced_not_whole():
   # FSDP: the update reads each gradient split over every axis. The whole gradient is
-  # reduced where it is made; only the reduced copy waits for the optimizer (whose
-  # moment updates come at the end of the program, after the whole backward).
+  # kept until the combined reduction at the end of the backward; only the reduced
+  # copy waits for the optimizer (whose moment updates come after it).
   m = models.get_model("gpt", "tiny", num_layers=4)
   p = tapas.api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=MESH,
                         device="cpu", batch_axes=None).problem
@@ -211,13 +230,14 @@ def test_a_gradient_waits_for_the_update_reduced_not_whole():
                      if p.view.op_canon.get(op.index, op.index) in p.update_ops)
   per_device = memory._per_device(p, acts, choice)
   live = (acts.start <= first_update) & (acts.stop >= first_update)
-  # What is live as the update starts: the gradients, as Adam's two moments read them
-  # (`(1 - b1) * g` and `(1 - b2) * g**2`), reduced 8 ways (the few parameters FSDP
-  # cannot split stay whole: a margin). Whole, they would take 4x this.
+  # What is live as the update starts: each gradient once, reduced 8 ways, however
+  # many moments read it (`(1 - b1) * g`, `(1 - b2) * g**2`: XLA fuses those into the
+  # update); the few parameters FSDP cannot split stay whole, a margin. Whole, they
+  # would take 8x this.
   gradients = sum(per_device[k] for k in np.flatnonzero(live)
                   if not (acts.stored and acts.stored[k] is not None))
   params = sum(g.types[i.value].nbytes for i in g.inputs if i.path.startswith("params/"))
-  assert 0.5 * 2 * params / 8 <= gradients <= 1.1 * 2 * params / 8
+  assert params / 8 <= gradients <= 1.2 * params / 8
 
 
 def test_a_loop_iteration_s_intermediates_are_live_while_the_loop_runs():
@@ -235,3 +255,82 @@ def test_a_loop_iteration_s_intermediates_are_live_while_the_loop_runs():
   peak, _ = memory.activation_peak(p, memory.activations(p), {})
   scores = n // blocks * n * 4
   assert scores <= peak < 4 * scores
+
+
+def _mlp_step(optimizer):
+  def step(state, x):
+    params, opt_state = state
+
+    def loss(p):
+      return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), value
+  return step
+
+
+def _tied_step(state, tokens):
+  # One matrix read twice, as a tied embedding is (a lookup, then the logits): its
+  # gradient is made in two parts, each reduced on its own.
+  def loss(p):
+    h = jnp.tanh(p["emb"][tokens] @ p["w"])
+    return jnp.mean(jax.nn.logsumexp(h @ p["emb"].T, axis=-1))
+  value, grads = jax.value_and_grad(loss)(state)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads), value
+
+
+def _mlp_case(optimizer):
+  params = {"w1": jax.ShapeDtypeStruct((512, 1024), F32),
+            "w2": jax.ShapeDtypeStruct((1024, 512), F32)}
+  opt_state = jax.eval_shape(optimizer.init, params)
+  return _mlp_step(optimizer), (params, opt_state), jax.ShapeDtypeStruct((64, 512), F32)
+
+
+def _tied_case():
+  state = {"emb": jax.ShapeDtypeStruct((4096, 256), F32),
+           "w": jax.ShapeDtypeStruct((256, 256), F32)}
+  return _tied_step, state, jax.ShapeDtypeStruct((64, 32), jnp.int32)
+
+
+# Weights far larger than the activations, the batch split 8 ways: XLA all-reduces the
+# gradients in one combined all-reduce once the backward is done, and holds every
+# gradient twice while it runs (partial sums in, sums out; a tied weight's two parts
+# each). Counting the reduction where each gradient is made left one copy out
+# (data parallel at 0.5-0.6 of XLA's figure here).
+@pytest.mark.parametrize("case, kind", [
+    ("sgd", "data_parallel"),
+    ("adam", "data_parallel"),
+    ("adam", "search"),
+    ("tied", "data_parallel"),
+])
+def test_gradients_all_reduced_together_are_counted_twice_as_xla_holds_them(case, kind):
+  step, state, batch = {"sgd": lambda: _mlp_case(optax.sgd(0.1)),
+                        "adam": lambda: _mlp_case(optax.adam(1e-3)),
+                        "tied": _tied_case}[case]()
+  mesh = {"data": 8}
+  if kind == "search":
+    plan = tapas.search(step, state, batch, mesh=mesh, device="h100")
+  else:
+    plan = baselines.baseline(kind, step, state, batch, mesh=mesh, device="h100")
+  jitted = tapas.apply(plan, step, mesh=tapas.make_mesh(mesh), donate_argnums=0)
+  got = measure.measure(jitted.lower(state, batch).compile(), 8)
+  assert plan.stats.predicted_memory_bytes == pytest.approx(got.memory_bytes, rel=0.1)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_budget_s_tables_count_the_reduction_s_copies_where_it_runs(split):
+  # The gradients' copies held for the combined reduction count only where a split
+  # leaves them partial: the budget's tables at the peak agree with the peak.
+  step, state, batch = _tied_case()
+  p = tapas.api.prepare(step, (state, batch), mesh={"data": 8}, device="h100",
+                        batch_axes=None).problem
+  acts = memory.activations(p)
+  assert any(acts.only_of(k) for k in range(len(acts.values)))
+  choice = batch_choice(p) if split else {}
+  peak, at = memory.activation_peak(p, acts, choice)
+  index = {c: p.domains[c].index(a) for c, a in choice.items()}
+  assert evaluate_tables(memory.activation_tables(p, acts, at), index)[0] == \
+      pytest.approx(peak)
+  held = sum(memory._per_device(p, acts, choice)[k] for k in range(len(acts.values))
+             if acts.only_of(k))
+  assert (held > 0) == split

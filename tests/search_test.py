@@ -325,11 +325,12 @@ def short_gpt():
   """(args, unconstrained plan, budget, budgeted plan) for GPT-2 small width on short
   sequences and a batch of 2, where parameters and optimizer state, not activations,
   dominate memory (vocabulary padded to 50304, as it is usually trained); the budget
-  is 70% of the unconstrained plan's memory (measured: 60% is infeasible)."""
+  is 50% of the unconstrained plan's memory (measured: 45% is infeasible; at 55% and
+  above the MLP split over `model` meets it without storing anything apart)."""
   m = models.get_model("gpt", "gpt2-small", num_layers=2, seq_len=64, vocab_size=50304)
   args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
   free = tapas.search(*args, mesh=MESHES["2d"], device="h100")
-  budget = 0.7 * free.stats.predicted_memory_bytes
+  budget = 0.5 * free.stats.predicted_memory_bytes
   tight = tapas.search(*args, mesh=MESHES["2d"], device="h100", memory_budget=budget)
   return args, free, budget, tight
 
@@ -359,7 +360,7 @@ def test_budgeted_folded_search_is_close_to_the_exact_integer_program():
   assert exact.stats.solver_status == "optimal"
   for plan in (folded, exact):
     assert plan.stats.predicted_memory_bytes <= budget
-  # A Lagrange weight plus greedy repair, not exact: measured 0.518 vs 0.511 ms.
+  # A Lagrange weight plus greedy repair, not exact: measured 0.878 vs 0.872 ms.
   assert exact.stats.predicted_step_s <= folded.stats.predicted_step_s * (1 + 1e-9)
   assert folded.stats.predicted_step_s <= 1.02 * exact.stats.predicted_step_s
 

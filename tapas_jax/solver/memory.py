@@ -96,6 +96,9 @@ class Activations:
     unless: per entry, classes any of which split makes the entry vanish (a donated
       input's copy, gone once gradients are all-reduced); entries past its end (added
       by a later stage) have none.
+    only: per entry, classes one of which must be split for the entry to take memory
+      (a gradient's partial sums beside their reduced copy as the reduction runs:
+      no reduction where none is split); () for none, as for entries past its end.
   """
 
   start: np.ndarray
@@ -106,17 +109,21 @@ class Activations:
   values: tuple[int, ...] = ()
   stored: tuple[tuple[int, ...] | None, ...] = ()
   unless: tuple[tuple[int, ...], ...] = ()
+  only: tuple[tuple[int, ...], ...] = ()
 
   def unless_of(self, k: int) -> tuple[int, ...]:
     return self.unless[k] if k < len(self.unless) else ()
 
+  def only_of(self, k: int) -> tuple[int, ...]:
+    return self.only[k] if k < len(self.only) else ()
+
   @functools.cached_property
   def kinds(self) -> tuple[tuple[tuple, ...], np.ndarray]:
-    """(distinct (dims, stored, unless) among the entries, each entry's index in
-    them): entries alike take the same share of their bytes under any plan."""
+    """(distinct (dims, stored, unless, only) among the entries, each entry's index
+    in them): entries alike take the same share of their bytes under any plan."""
     stored = self.stored or (None,) * len(self.dims)
     seen: dict[tuple, int] = {}
-    index = [seen.setdefault((d, s, self.unless_of(k)), len(seen))
+    index = [seen.setdefault((d, s, self.unless_of(k), self.only_of(k)), len(seen))
              for k, (d, s) in enumerate(zip(self.dims, stored))]
     return tuple(seen), np.array(index, int)
 
@@ -127,11 +134,16 @@ def activations(problem: Problem) -> Activations:
   * Values no output depends on are dropped (dead code).
   * A program output lives to the end, except the next value of carried state: the
     step runs with the state donated, so it is written into its input's buffer (the
-    input is counted among the inputs).
-  * A gradient the update reads in another layout than it is made in (ZeRO) is
-    reduced into that layout where it is made (XLA fuses what lies between into the
-    reduce-scatter): the whole copy lives to its last compute reader, the delivered
-    one to the update.
+    input is counted among the inputs), whatever reads it (a new moment read by the
+    parameter's update is read from there).
+  * A gradient (what the update reads, traced back through the elementwise ops XLA
+    fuses into the update: one per dot or scatter making it, however many moments read
+    it) that a split leaves partial sums is reduced in one reduction combined with
+    every other's, once the last of them is made (XLA's all-reduce combiner): it is
+    kept as made until then, both it and its reduced copy (in the layout the update
+    reads: a reduce-scatter's slice under ZeRO) are live as the reduction runs, and the
+    reduced copy lives to the update. A gradient nothing reduces is used where it is
+    made (XLA runs its update then, in place).
   * A parameter stored apart from its use (ZeRO) is gathered once into its compute
     layout (`apply` pins one copy per value) and that copy lives from its first
     compute reader to its last.
@@ -158,8 +170,8 @@ def activations(problem: Problem) -> Activations:
   def in_update(c):
     return problem.view.op_canon.get(c, c) in problem.update_ops
 
-  # A gradient the update reads in another layout than it is made in (ZeRO) is reduced
-  # into that layout where it is made: value -> (delivered classes, last update reader).
+  # What the update reads of the rest of the program, in the layout it reads it in:
+  # value -> (delivered classes, last update reader).
   delivered = {}
   for op in top:
     for w in op.outputs if op.index in live else ():
@@ -168,8 +180,8 @@ def activations(problem: Problem) -> Activations:
       if read is not None and updates and w not in outputs:
         delivered[w] = (tuple(read), max(updates))
   # Ops that only lead to delivered values through fused values (the moments' `g ** 2`,
-  # `(1 - b) * g`) fuse into the reduction where the gradient is made, whatever the
-  # program order: they do not keep the gradient alive.
+  # `(1 - b) * g`) fuse into the update, after the gradient's reduction, whatever the
+  # program order: they write nothing out of their own.
   feeding: set[int] = set()
   for op in reversed(top):
     if op.index in live and op.outputs and not in_update(op.index) and all(
@@ -177,20 +189,24 @@ def activations(problem: Problem) -> Activations:
                                               if c in live)) for w in op.outputs):
       feeding.add(op.index)
 
-  def made_at(w):
-    """Where the reduction of a delivered value runs: after the last value it is
-    computed from (through feeding ops) is made."""
-    todo, seen, at = [w], set(), []
+  # The gradients as XLA reduces them: the values a delivered value is computed from
+  # through feeding ops (a tied weight's two gradients, each reduced on its own; one
+  # gradient however many moments read it) -> (delivered classes, last update reader).
+  gradients: dict[int, tuple[tuple[int, ...], int]] = {}
+  for w, (read, last) in delivered.items():
+    todo, seen = [w], set()
     while todo:
-      p = g.producer.get(todo.pop())
-      if p is None or p in seen or p not in pos:
-        continue
-      seen.add(p)
+      x = todo.pop()
+      p = g.producer.get(x)
+      if x in seen or p not in pos or not g.types[x].shape or in_update(p):
+        continue  # an input (a moment scaled in the update), a literal, a scalar, or
+        # made by the update itself
+      seen.add(x)
       if p in feeding:
         todo.extend(g.ops[p].inputs)
       else:
-        at.append(pos[p] + 1)
-    return max(at, default=pos[g.producer[w]])
+        dims0, last0 = gradients.get(x, (read, last))
+        gradients[x] = (dims0, max(last0, last))
 
   # A fused value is recomputed where it is read: what it is made of stays live until
   # then. Readers come after producers, so walk backwards.
@@ -208,6 +224,7 @@ def activations(problem: Problem) -> Activations:
   def last_reader(v, default):
     return reach.get(v, default)
 
+  own: dict[int, int] = {}  # value -> its entry as made
   for j, op in enumerate(top):
     rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
     if rule is None or op.index not in live:
@@ -219,10 +236,11 @@ def activations(problem: Problem) -> Activations:
       readers = [c for c in g.consumers.get(v, ()) if c in live]
       made = tuple(None if f is None else problem.vclass(v, d)
                    for d, f in enumerate(rule.outputs[slot]))
-      whole = not (v in fused or (v in carried and not readers))
+      whole = not (v in fused or v in carried)
       if problem.cv(v) in problem.free_values and v not in outputs:
         whole = False  # a constant (a causal mask): XLA builds it inside its readers
       if whole:  # else never written out, or written in place into the donated input
+        own[v] = len(start)
         start.append(j)
         stop.append(end if v in outputs and v not in carried else last_reader(v, j))
         nbytes.append(t.nbytes)
@@ -250,15 +268,31 @@ def activations(problem: Problem) -> Activations:
             values.append(v)
             stored.append(made)
             dims.append(problem.reader_dims[(y, side)])
-      if v in delivered:  # the reduced copy waits for the update, not the whole one
-        start.append(min(made_at(v) if op.index in feeding else j + whole,
-                         delivered[v][1]))
-        stop.append(delivered[v][1])
-        nbytes.append(t.nbytes)
-        values.append(v)
-        dims.append(delivered[v][0])
-        stored.append(None)
   _hand_over_in_place(g, top, pos, live, values, stop, start)
+  only = [()] * len(values)
+  if gradients:
+    # Where a split leaves them partial sums, their reductions are combined into one,
+    # run once the last of them is made: each is kept as made until then, its reduced
+    # copy from then to the update, and the two live together while the reduction runs.
+    # Where none is reduced, XLA updates each parameter as soon as its gradient is made
+    # (in place): the gradient lives where it is made only.
+    at = min(max(pos[g.producer[x]] for x in gradients) + 1, end)
+    for x, (read, last) in gradients.items():
+      p = g.producer[x]
+      made, partial = _made(problem, g.ops[p], x), _partial_classes(problem, p)
+      if made is None or not partial:
+        continue
+      first = stop[own[x]] + 1 if x in own else pos[p]
+      for a, b, classes in ((first, at - 1, made), (at, at, made),
+                            (at, max(last, at), read)):
+        if a <= b:
+          start.append(a)
+          stop.append(b)
+          nbytes.append(g.types[x].nbytes)
+          values.append(x)
+          dims.append(tuple(classes))
+          stored.append(None)
+          only.append(partial)
   for j, op in enumerate(top):
     if op.index in live:
       for v, made in _loop_body_values(problem, op):
@@ -280,6 +314,7 @@ def activations(problem: Problem) -> Activations:
     values.append(i.value)
     dims.append(tuple(use))
     stored.append(tuple(problem.vclass(i.value, d) for d in range(len(use))))
+  only += [()] * (len(values) - len(only))
   unless = [()] * len(values)
   for v, first, last in _donated_copies(problem, top, pos, live):
     start.append(first)
@@ -290,7 +325,30 @@ def activations(problem: Problem) -> Activations:
     stored.append(None)
     unless.append(tuple(c.index for c in problem.classes if c.batch))
   return Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
-                      tuple(dims), len(top), tuple(values), tuple(stored), tuple(unless))
+                      tuple(dims), len(top), tuple(values), tuple(stored), tuple(unless),
+                      tuple(only))
+
+
+def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:
+  """Classes of v's dims as its producer makes it (None in a dim: made whole); None
+  where v has no classes."""
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  if rule is None or (problem.cv(v), 0) not in problem.value_class:
+    return None
+  return tuple(None if f is None else problem.vclass(v, d)
+               for d, f in enumerate(rule.outputs[op.outputs.index(v)]))
+
+
+def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
+  """Classes an op reduces over (splittable): splitting one leaves its result partial."""
+  canon = problem.view.op_canon.get(op_index, op_index)
+  rule = problem.rules.get(canon)
+  if rule is None:
+    return ()
+  fclass = problem.factor_class.get(canon, ())
+  return tuple(sorted({fclass[f] for f in rule.reduce
+                       if f < len(fclass) and fclass[f] >= 0
+                       and problem.classes[fclass[f]].splittable}))
 
 
 def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, int]]:
@@ -392,11 +450,11 @@ def _axes(dims: Iterable[int | None], choice: Mapping[int, tuple[str, ...]]):
 
 
 def _shards(mesh: costlib.MeshSpec, dims, stored, choice: Mapping[int, tuple[str, ...]],
-            unless=()) -> int:
+            unless=(), only=()) -> int:
   """Devices one entry is split over under a choice; 0 where it takes no memory (a
   gathered copy laid out as its stored input is the input itself, nothing gathered;
-  an `unless` class split)."""
-  if any(choice.get(c) for c in unless):
+  an `unless` class split; no `only` class split)."""
+  if any(choice.get(c) for c in unless) or (only and not any(choice.get(c) for c in only)):
     return 0
   axes = _axes(dims, choice)
   if stored is not None and axes == _axes(stored, choice):
@@ -407,7 +465,7 @@ def _shards(mesh: costlib.MeshSpec, dims, stored, choice: Mapping[int, tuple[str
 def _per_device(problem: Problem, acts: Activations,
                 choice: Mapping[int, tuple[str, ...]]) -> np.ndarray:
   kinds, index = acts.kinds
-  shards = np.array([_shards(problem.mesh, d, s, choice, u) for d, s, u in kinds],
+  shards = np.array([_shards(problem.mesh, d, s, choice, u, o) for d, s, u, o in kinds],
                     int)[index]
   return _divide(acts.nbytes, shards)
 
@@ -438,33 +496,35 @@ def activation_tables(problem: Problem, acts: Activations, at: int) -> list[Tabl
   copies = []
   for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)):
     stored = acts.stored[k] if acts.stored else None
-    if stored is not None or acts.unless_of(k):
+    if stored is not None or acts.unless_of(k) or acts.only_of(k):
       copies.append(_copy_table(problem, float(acts.nbytes[k]), acts.dims[k], stored,
-                                acts.unless_of(k)))
+                                acts.unless_of(k), acts.only_of(k)))
       continue
     key = _scope(problem, acts.dims[k])
     total[key] = total.get(key, 0.0) + float(acts.nbytes[k])
   return _bytes_tables(problem, total) + copies
 
 
-def _copy_table(problem: Problem, nbytes: float, dims, stored, unless=()) -> Table:
-  """A copy's bytes over its read, stored and `unless` classes (zero where the layouts
-  agree or an `unless` class is split)."""
-  scope = _scope(problem, tuple(dims) + tuple(stored or ()) + tuple(unless))
+def _copy_table(problem: Problem, nbytes: float, dims, stored, unless=(), only=()
+                ) -> Table:
+  """A copy's bytes over its read, stored, `unless` and `only` classes (zero where the
+  layouts agree, an `unless` class is split or no `only` class is)."""
+  scope = _scope(problem, tuple(dims) + tuple(stored or ()) + tuple(unless) + tuple(only))
   domains = tuple(problem.domains[c] for c in scope)
   table = _divide(nbytes, _copy_shards(problem.mesh, scope, domains, tuple(dims), stored,
-                                       tuple(unless)))
+                                       tuple(unless), tuple(only)))
   return Table(scope, table, np.zeros_like(table))
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _copy_shards(mesh: costlib.MeshSpec, scope, domains, dims, stored, unless) -> np.ndarray:
+def _copy_shards(mesh: costlib.MeshSpec, scope, domains, dims, stored, unless, only
+                 ) -> np.ndarray:
   """`_shards` of a copy entry for every choice of its scope's domains. Read-only:
   shared between calls."""
   table = np.empty(tuple(len(d) for d in domains), int)
   for idx in itertools.product(*(range(len(d)) for d in domains)):
     choice = {c: domains[k][j] for k, (c, j) in enumerate(zip(scope, idx))}
-    table[idx] = _shards(mesh, dims, stored, choice, unless)
+    table[idx] = _shards(mesh, dims, stored, choice, unless, only)
   table.setflags(write=False)
   return table
 

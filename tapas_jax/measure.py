@@ -108,8 +108,8 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
     if n <= 1:
       continue
     if kind == "all-reduce" and hlo is not None and " all-reduce(" in line:
-      for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result")):
-        if sliced(n):
+      for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result"), n):
+        if sliced:
           out["reduce-scatter"] += (n - 1) / n * nbytes
           out[SLICED] += (n - 1) / n * nbytes
         else:
@@ -147,10 +147,7 @@ class _Instr:
   op: str
   args: str  # the text between the opcode's parentheses
   attrs: str
-
-  @property
-  def operands(self) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", self.args)
+  operands: tuple[str, ...]
 
 
 def _elements(array_type: str) -> int:
@@ -176,11 +173,13 @@ class _Hlo:
 
   computations: dict[str, list[_Instr]]
   where: dict[str, str]  # instruction name -> the computation holding it
+  readers: dict[str, list[tuple[_Instr, int]]]  # name -> (reader, operand slot)
 
   @classmethod
   def parse(cls, text: str) -> "_Hlo":
     computations: dict[str, list[_Instr]] = {}
     where: dict[str, str] = {}
+    readers: dict[str, list[tuple[_Instr, int]]] = {}
     current = ""
     for line in text.splitlines():
       head = _HEADER.match(line)
@@ -193,48 +192,50 @@ class _Hlo:
       rest = line[m.end():]
       end = _close(rest)
       instr = _Instr(m.group("name"), m.group("type"), m.group("op"), rest[:end],
-                     rest[end + 1:])
+                     rest[end + 1:], tuple(re.findall(r"%([\w.\-]+)", rest[:end])))
       computations.setdefault(current, []).append(instr)
       where[instr.name] = current
-    return cls(computations, where)
+      for slot, operand in enumerate(instr.operands):
+        readers.setdefault(operand, []).append((instr, slot))
+    return cls(computations, where, readers)
 
-  def _sliced(self, comp: str, name: str, elements: int, n: int) -> bool:
+  def _sliced(self, name: str, elements: int, n: int) -> bool:
     """Whether `name` is read, and every reader keeps just 1/n of its elements."""
-    readers = [(i, i.operands.index(name)) for i in self.computations.get(comp, [])
-               if name in i.operands]
+    readers = self.readers.get(name, [])
     for instr, slot in readers:
       if instr.op == "dynamic-slice" and slot == 0:
         ok = _elements(instr.type) * n == elements
       elif instr.op in _WHOLE:
-        ok = self._sliced(comp, instr.name, elements, n)
+        ok = self._sliced(instr.name, elements, n)
       elif instr.op == "fusion" and instr.operands.count(name) == 1:
         called = re.search(r"calls=%([\w.\-]+)", instr.attrs)
         body = called.group(1) if called else ""
         params = [i.name for i in self.computations.get(body, [])
                   if i.op == "parameter" and i.args.strip() == str(slot)]
-        ok = len(params) == 1 and self._sliced(body, params[0], elements, n)
+        ok = len(params) == 1 and self._sliced(params[0], elements, n)
       else:
         ok = False
       if not ok:
         return False
     return bool(readers)
 
-  def all_reduce_parts(self, line: str, result: str):
-    """(bytes, n -> whether read only as 1/n slices) per array an all-reduce makes."""
+  def all_reduce_parts(self, line: str, result: str, n: int) -> list[tuple[int, bool]]:
+    """(bytes, whether read only as 1/n slices) per array an all-reduce makes."""
     m = _INSTR.match(line)
     arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(result) if t in _ITEMSIZE]
     if m is None or m.group("name") not in self.where:
-      return [(_bytes(a), lambda n: False) for a in arrays]
-    name, comp = m.group("name"), self.where[m.group("name")]
+      return [(_bytes(a), False) for a in arrays]
+    name = m.group("name")
     if not result.startswith("("):
-      return [(_bytes(arrays[0]), lambda n: self._sliced(comp, name, _elements(arrays[0]), n))]
-    parts = []
-    for k, a in enumerate(arrays):
-      gtes = [i.name for i in self.computations[comp] if i.op == "get-tuple-element"
-              and i.operands == [name] and re.search(rf"index={k}\b", i.attrs)]
-      parts.append((_bytes(a), lambda n, a=a, gtes=gtes: bool(gtes) and all(
-          self._sliced(comp, g, _elements(a), n) for g in gtes)))
-    return parts
+      return [(_bytes(arrays[0]), self._sliced(name, _elements(arrays[0]), n))]
+    elements: dict[int, list[str]] = {}  # tuple index -> its get-tuple-elements
+    for instr, _ in self.readers.get(name, []):
+      index = re.search(r"index=(\d+)", instr.attrs)
+      if instr.op == "get-tuple-element" and index:
+        elements.setdefault(int(index.group(1)), []).append(instr.name)
+    return [(_bytes(a), bool(elements.get(k)) and all(
+        self._sliced(g, _elements(a), n) for g in elements[k]))
+            for k, a in enumerate(arrays)]
 
 
 @dataclasses.dataclass(frozen=True)

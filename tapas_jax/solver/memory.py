@@ -283,8 +283,7 @@ def activations(problem: Problem) -> Activations:
       if made is None or not partial:
         continue
       first = stop[own[x]] + 1 if x in own else pos[p]
-      for a, b, classes in ((first, at - 1, made), (at, at, made),
-                            (at, max(last, at), read)):
+      for a, b, classes in ((first, at, made), (at, max(last, at), read)):
         if a <= b:
           start.append(a)
           stop.append(b)

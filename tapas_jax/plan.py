@@ -540,15 +540,42 @@ def _constraints(problem: Problem, solution: Solution,
                      for d in range(len(g.types[x].shape))])
       if want == have:  # read as it is: nothing for XLA to be told
         continue
-      made = g.producer.get(x)
-      rule = problem.rules.get(view.op_canon.get(made, made)) if made is not None else None
-      if rule is not None and not rule.reduce and x not in fixed:
-        # Made whole, read split through a cut (a statistic into state stored apart):
-        # pinned as made first, so that XLA slices it here rather than carrying the
-        # split back into the compute that makes it.
+      if x not in fixed and not _from_partial_sums(problem, solution.choice, x):
+        # Made whole from whole values, read split through a cut (a statistic into
+        # state stored apart): pinned as made first, so that XLA slices it here rather
+        # than carrying the split back into the compute that makes it. (Made from
+        # partial sums, a gradient, XLA may reduce-scatter straight into the read
+        # layout: pinning it whole first would force an all-reduce.)
         out.append(Constraint(site=op.site, slot=k, spec=have))
       out.append(Constraint(site=op.site, slot=k, spec=want))
   return tuple(out)
+
+
+def _from_partial_sums(problem: Problem, choice, v: int) -> bool:
+  """Whether v is an input, or made from partial sums under the choice: a reduction
+  with a split reduced dim, reached back through ops that reduce nothing."""
+  g, canon = problem.graph, problem.view.op_canon
+  todo, seen = [v], set()
+  while todo:
+    x = todo.pop()
+    made = g.producer.get(x)
+    if made is None:
+      if x == v:
+        return True  # an input: stored, not made
+      continue
+    if made in seen:
+      continue
+    seen.add(made)
+    rule, classes = problem.rules.get(canon.get(made, made)), problem.factor_class.get(
+        canon.get(made, made), ())
+    if rule is None:
+      return True  # not searched (in a loop body): leave it to XLA
+    if any(choice.get(classes[f]) for f in rule.reduce if f < len(classes)
+           and classes[f] >= 0):
+      return True
+    if not rule.reduce:
+      todo.extend(y for y in g.ops[made].inputs if y not in g.literals)
+  return False
 
 
 def _activation_peak(problem: Problem, solution: Solution, folded: Folded | None = None

@@ -29,7 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import tapas_jax as tapas  # noqa: E402
-from tapas_jax import baselines, measure, models  # noqa: E402
+from tapas_jax import baselines, cost, measure, models  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
 # `--config small`: each family at a real small model's widths (GPT-2 small, a
@@ -87,12 +87,16 @@ def main():
   overrides = {k: _int_or_tuple(v) for k, v in (item.split("=", 1) for item in args.set)}
   families = args.models or ",".join(SMALL if args.config == "small" else models.FAMILIES)
   mesh = tapas.make_mesh(MESH)
+  # The plan is costed for the device; its memory is predicted as the backend that
+  # compiles it here lays it out (XLA:CPU: no reduce-scatter, canonical convolutions).
+  device = (cost.compiled_by_xla_cpu(args.device) if jax.default_backend() == "cpu"
+            else cost.get_profile(args.device))
   if args.config == "small":
     for family in families.split(","):
       print(f"# small {family}: {SMALL[family][0]} with {SMALL[family][1]}")
   print(f"## Predicted vs compiled memory: zoo at config {args.config!r} {overrides or ''}, "
         f"batch "
-        f"{args.batch}, mesh {MESH}, {args.device} profile, state donated, jax "
+        f"{args.batch}, mesh {MESH}, {device.name} profile, state donated, jax "
         f"{jax.__version__}")
   print(f"{'model':<10} {'plan':<14} {'pred MiB':>9} {'XLA MiB':>9} {'pred/XLA':>8} "
         f"{'args MiB':>9} {'temp MiB':>9} {'out-alias':>9} {'pred ms':>8} "
@@ -102,7 +106,7 @@ def main():
     m = models.get_model(family, config, **{**trimmed, **overrides})
     step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(args.batch)
     kinds = args.plans.split(",")
-    for kind, plan in plans_for(family, step, state, batch, kinds, args.device).items():
+    for kind, plan in plans_for(family, step, state, batch, kinds, device).items():
       start = time.perf_counter()
       got = compiled_memory(plan, step, state, batch, mesh)
       pred = plan.stats.predicted_memory_bytes

@@ -79,6 +79,17 @@ class DeviceProfile:
     intra_domain_size: chips reachable over the fast fabric. Equals
       `devices_per_host` for NVLink boxes; a whole ICI slice for TPUs, where
       ICI crosses host boundaries. `mesh_spec` uses this to pick links.
+    reduce_scatter: whether the compiler turns an all-reduce read only as 1/n
+      slices into a reduce-scatter (XLA's GPU and TPU pipelines do). XLA:CPU has no
+      such pass: it holds the whole all-reduced value, then slices it, and the
+      memory model counts that. Collectives are priced as the reduce-scatter on
+      every profile, as `measure` counts them, since a CPU mesh stands in for an
+      accelerator's.
+    canonical_convolutions: whether the compiler runs only convolutions in
+      canonical dimension order (input batch, spatial, feature; kernel spatial, in,
+      out) and copies other operands and results transposed into it (XLA:CPU's
+      convolution canonicalization; the backward pass's weight-gradient convs put
+      the activations in non-canonical slots). The memory model counts the copies.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -96,6 +107,8 @@ class DeviceProfile:
   inter_latency_s: float
   devices_per_host: int
   intra_domain_size: int
+  reduce_scatter: bool = True
+  canonical_convolutions: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -246,8 +259,27 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_latency_s=50e-6,
         devices_per_host=8,
         intra_domain_size=8,
+        reduce_scatter=False,
+        canonical_convolutions=True,
     ),
 }
+
+
+def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
+  """A profile's figures with XLA:CPU's memory layout: to compare a plan's predicted
+  memory with what a CPU mesh standing in for that device compiles it to.
+
+  Example:
+    >>> compiled_by_xla_cpu("h100").name, compiled_by_xla_cpu("h100").reduce_scatter
+    ('h100 on XLA:CPU', False)
+  """
+  profile = get_profile(profile)
+  cpu = PROFILES["cpu"]
+  if profile.name == cpu.name or profile.name.endswith(" on XLA:CPU"):
+    return profile
+  return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
+                             reduce_scatter=cpu.reduce_scatter,
+                             canonical_convolutions=cpu.canonical_convolutions)
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:

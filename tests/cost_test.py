@@ -44,12 +44,25 @@ def test_profile_numbers_are_positive_and_sane(name):
   p = cost.get_profile(name)
   assert p.name == name
   for field in dataclasses.fields(p):
-    if field.name != "name":
+    if field.name != "name" and not isinstance(getattr(p, field.name), bool):
       assert getattr(p, field.name) > 0, field.name
   assert p.peak_flops_f32 <= p.peak_flops
   assert p.inter_bandwidth < p.intra_bandwidth
   assert p.intra_latency_s <= p.inter_latency_s
   assert p.intra_domain_size >= p.devices_per_host
+
+
+def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout():
+  base, cpu = cost.get_profile("tpu-v5p"), cost.get_profile("cpu")
+  on_cpu = cost.compiled_by_xla_cpu("tpu-v5p")
+  assert on_cpu.name == "tpu-v5p on XLA:CPU"
+  assert (on_cpu.reduce_scatter, on_cpu.canonical_convolutions) == (False, True)
+  assert (cpu.reduce_scatter, cpu.canonical_convolutions) == (False, True)
+  assert (base.reduce_scatter, base.canonical_convolutions) == (True, False)
+  assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
+                             canonical_convolutions=False) == base
+  assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
+  assert cost.compiled_by_xla_cpu("cpu") is cpu
 
 
 def test_required_profiles_exist():

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
@@ -155,6 +156,10 @@ def activations(problem: Problem) -> Activations:
     the producer's rule keeps it whole.
   * While a counted loop (scan) runs, what its body writes out in one iteration is
     live at the loop's position too (`_loop_body_values`).
+  * The compiler's own layout choices, per `DeviceProfile`: without a reduce-scatter
+    pass the reduced copy is the whole all-reduced value (`reduce_scatter`); a
+    convolution run only in canonical order reads other operands through transposed
+    copies made as the operand is made (`canonical_convolutions`).
   """
   g = problem.graph
   top = g.region_ops(0)
@@ -208,15 +213,26 @@ def activations(problem: Problem) -> Activations:
         dims0, last0 = gradients.get(x, (read, last))
         gradients[x] = (dims0, max(last0, last))
 
+  # Convolutions XLA runs only in canonical order read their other operands through
+  # transposed copies: conv op -> {operand: classes}, result -> classes.
+  conv_copies: dict[int, dict[int, tuple]] = {}
+  if problem.profile.canonical_convolutions:
+    for op in top:
+      if op.index in live and op.primitive == "conv_general_dilated":
+        conv_copies[op.index] = _transposed_for_conv(problem, op)
+
   # A fused value is recomputed where it is read: what it is made of stays live until
   # then. Readers come after producers, so walk backwards.
   reach: dict[int, int] = {}
   for op in reversed(top):
     if op.index not in live or op.index in feeding:
       continue
+    transposed = conv_copies.get(op.index, {})
     for v in op.inputs:
       if v in delivered and in_update(op.index):
         continue  # the update reads the delivered copy
+      if v in transposed:
+        continue  # the conv reads its transposed copy
       here = max([pos[op.index]] + [reach.get(w, pos[op.index]) for w in op.outputs
                                     if w in fused])
       reach[v] = max(reach.get(v, here), here)
@@ -268,6 +284,19 @@ def activations(problem: Problem) -> Activations:
             values.append(v)
             stored.append(made)
             dims.append(problem.reader_dims[(y, side)])
+    # XLA:CPU transposes a conv's operand as soon as it is made (the copy, not the
+    # value, is what the backward pass's weight-gradient conv keeps), and makes a
+    # non-canonical result canonical first, then transposes it.
+    for v, classes in conv_copies.get(op.index, {}).items():
+      made_at = pos.get(g.producer.get(v), None)
+      if made_at is None:  # a program input: copied where it is first read
+        made_at = min(pos[c] for c in g.consumers[v] if c in live)
+      start.append(made_at if v in op.inputs else j)
+      stop.append(j)
+      nbytes.append(g.types[v].nbytes)
+      values.append(v)
+      dims.append(classes)
+      stored.append(None)
   _hand_over_in_place(g, top, pos, live, values, stop, start)
   only = [()] * len(values)
   if gradients:
@@ -283,7 +312,10 @@ def activations(problem: Problem) -> Activations:
       if made is None or not partial:
         continue
       first = stop[own[x]] + 1 if x in own else pos[p]
-      for a, b, classes in ((first, at, made), (at, max(last, at), read)):
+      # Without a reduce-scatter pass (XLA:CPU) the sums are all-reduced whole, as
+      # made, and sliced where the update reads them.
+      reduced = read if problem.profile.reduce_scatter else made
+      for a, b, classes in ((first, at, made), (at, max(last, at), reduced)):
         if a <= b:
           start.append(a)
           stop.append(b)
@@ -326,6 +358,32 @@ def activations(problem: Problem) -> Activations:
   return Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
                       tuple(dims), len(top), tuple(values), tuple(stored), tuple(unless),
                       tuple(only))
+
+
+def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:
+  """value -> classes of the transposed copies a compiler running only canonical
+  convolutions makes for this one: each operand not laid out (batch, spatial...,
+  feature) / (spatial..., in, out), and the result when it is not (batch,
+  spatial..., feature), which is made canonical and then transposed. The
+  weight-gradient convs of the backward pass read the activations and their
+  gradients in the kernel's and the batch's slots."""
+  g = problem.graph
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  if rule is None:
+    return {}
+  rank = len(g.types[op.inputs[0]].shape)
+  dn = jx.conv_dims(op.raw_params, rank)
+  space = tuple(range(1, rank - 1))
+  canonical = ((0, rank - 1) + space, (rank - 1, rank - 2) + tuple(range(rank - 2)),
+               (0, rank - 1) + space)
+  out = {}
+  for spec, want, v, dims in ((dn.lhs_spec, canonical[0], op.inputs[0], rule.inputs[0]),
+                              (dn.rhs_spec, canonical[1], op.inputs[1], rule.inputs[1]),
+                              (dn.out_spec, canonical[2], op.outputs[0], rule.outputs[0])):
+    if tuple(spec) != want and (problem.cv(v), 0) in problem.value_class:
+      out[v] = tuple(None if f is None else problem.vclass(v, d)
+                     for d, f in enumerate(dims))
+  return out
 
 
 def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:

@@ -90,6 +90,10 @@ class DeviceProfile:
       out) and copies other operands and results transposed into it (XLA:CPU's
       convolution canonicalization; the backward pass's weight-gradient convs put
       the activations in non-canonical slots). The memory model counts the copies.
+    reductions_duplicate: whether a reduction's fusion recomputes a cheap operand
+      that other ops also read (XLA's GPU and TPU fusions do). XLA:CPU's reduction
+      fusions (YNNPACK) do not: the operand is written out, as a batch norm's
+      centred activations are.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -109,6 +113,7 @@ class DeviceProfile:
   intra_domain_size: int
   reduce_scatter: bool = True
   canonical_convolutions: bool = False
+  reductions_duplicate: bool = True
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -261,6 +266,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=8,
         reduce_scatter=False,
         canonical_convolutions=True,
+        reductions_duplicate=False,
     ),
 }
 
@@ -279,7 +285,8 @@ def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
     return profile
   return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
                              reduce_scatter=cpu.reduce_scatter,
-                             canonical_convolutions=cpu.canonical_convolutions)
+                             canonical_convolutions=cpu.canonical_convolutions,
+                             reductions_duplicate=cpu.reductions_duplicate)
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:

@@ -56,11 +56,13 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   base, cpu = cost.get_profile("tpu-v5p"), cost.get_profile("cpu")
   on_cpu = cost.compiled_by_xla_cpu("tpu-v5p")
   assert on_cpu.name == "tpu-v5p on XLA:CPU"
-  assert (on_cpu.reduce_scatter, on_cpu.canonical_convolutions) == (False, True)
-  assert (cpu.reduce_scatter, cpu.canonical_convolutions) == (False, True)
-  assert (base.reduce_scatter, base.canonical_convolutions) == (True, False)
+  layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
+                       p.reductions_duplicate)
+  assert layout(on_cpu) == layout(cpu) == (False, True, False)
+  assert layout(base) == (True, False, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
-                             canonical_convolutions=False) == base
+                             canonical_convolutions=False,
+                             reductions_duplicate=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 

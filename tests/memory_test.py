@@ -12,7 +12,7 @@ import pytest
 
 import tapas_jax as tapas
 from tapas_jax import baselines, cost, measure, models, trace
-from tapas_jax.solver import build_problem, memory
+from tapas_jax.solver import build_problem, fusion, memory
 from tapas_jax.solver.tables import evaluate_tables
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -144,24 +144,12 @@ def compiled_case(family, kind):
   return plan.stats.predicted_memory_bytes, got.memory_bytes
 
 
-# Rows known to fall outside, and why (measured with scripts/bench_memory.py; read
-# off XLA's buffer assignment and live ranges at its peak, `--xla_dump_to`).
-_OUTSIDE = {
-    # ResNet's searched plan runs replicated (no collectives); Megatron's splits the
-    # channels. Besides what the model counts (the transposed conv operands
-    # included), XLA:CPU's peak holds each batch norm's centred activations
-    # (`broadcast_subtract_fusion`, read by several fusions: 7 x 16-64 KB), the
-    # max pool's padded input (`wrapped_broadcast` f32[8,17,17,8], 74 KB) and its
-    # backward's scatter indices (s32[4096,4], 64 KB), about 0.35 MiB the jaxpr's
-    # values do not show.
-    ("resnet", "search"): "XLA:CPU's batch-norm and max-pool buffers (0.74)",
-    ("resnet", "megatron"): "XLA:CPU's batch-norm and max-pool buffers (0.75)",
-}
+# Rows known to fall outside 20%, and why (none at present).
+_OUTSIDE: dict[tuple[str, str], str] = {}
 
 
 # Measured (scripts/bench_memory.py, BENCHMARKS.md, "XLA:CPU's own layout"): every
-# other row of the tiny zoo within 20% of XLA's figure; what is left is XLA:CPU's own
-# buffers (broadcasts beside its library dots, the rows above).
+# row of the tiny zoo 0.84-1.08 of XLA's figure, predicted with XLA:CPU's layout.
 @pytest.mark.parametrize("family, kind", [
     pytest.param(f, k, marks=[pytest.mark.xfail(reason=_OUTSIDE[f, k], strict=True)]
                  if (f, k) in _OUTSIDE else [])
@@ -362,3 +350,28 @@ def test_a_conv_operand_in_a_non_canonical_slot_is_copied_transposed_on_xla_cpu(
   assert predicted[COMPILED] == pytest.approx(got, rel=0.05)
   # Without the copies (a GPU's or TPU's compile) the figure is lower.
   assert predicted["h100"] < 0.9 * got
+
+
+@pytest.mark.parametrize("read_again", [True, False])
+def test_a_value_read_again_beside_a_reduction_is_written_out_on_xla_cpu(read_again):
+  # XLA:CPU's reductions are library (YNNPACK) fusions that take in the ops read
+  # only by them but recompute nothing another op reads: a batch norm's centred
+  # activations, read by the forward pass and by the scale gradient's sum, are
+  # written out. GPU and TPU fusions recompute them.
+  shape = jax.ShapeDtypeStruct((4096, 64), F32)
+
+  def f(x, y):
+    c = x - jnp.mean(x, axis=0)
+    return (jnp.sum(c * y, axis=0), c * 2) if read_again else jnp.sum(c * y, axis=0)
+
+  g = trace.trace(f, shape, shape)
+  top = g.region_ops(0)
+  live = fusion.live_ops(g, top)
+  centred = next(op.outputs[0] for op in top if op.primitive == "sub")
+  assert centred in fusion.fused_values(g, top, live)
+  on_cpu = centred in fusion.fused_values(g, top, live, reductions_duplicate=False)
+  assert on_cpu != read_again
+  # What XLA:CPU itself holds: the centred value (1 MiB) only where it is read again.
+  temp = jax.jit(f).lower(shape, shape).compile().memory_analysis().temp_size_in_bytes
+  assert (temp >= shape.size * 4) == read_again
+

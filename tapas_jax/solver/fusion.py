@@ -61,14 +61,21 @@ _EXPENSIVE = frozenset({
 
 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
-                 outputs: Sequence[int] | None = None) -> set[int]:
+                 outputs: Sequence[int] | None = None, *,
+                 reductions_duplicate: bool = True) -> set[int]:
   """Values XLA computes inside their readers' fusions and never writes out.
 
   A fusible op's result is fused into its readers when every live reader is a fusion
   that can take it (fusible or a reduction) and it is cheap or read once; it is not
   fused into an output of its region (the program's, or a loop body's `outputs`).
+  With `reductions_duplicate=False` (XLA:CPU, whose reductions are YNNPACK library
+  fusions that recompute nothing another op also reads) a value read by several ops,
+  one of which leads into a reduction through ops read once, is written out: a
+  batch norm's centred activations, read by the forward pass and by the backward
+  pass's sum for the scale's gradient.
   """
   outputs = set(graph.outputs if outputs is None else outputs)
+  into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
   out = set()
   for op in top:
     if op.index not in live or op.primitive not in _FUSIBLE or op.subregions:
@@ -77,6 +84,23 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
       readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
       if (v not in outputs and readers
           and all(r.primitive in _FUSING and not r.subregions for r in readers)
-          and (op.primitive not in _EXPENSIVE or len(readers) == 1)):
+          and (op.primitive not in _EXPENSIVE or len(readers) == 1)
+          and (len(readers) == 1 or not any(r.index in into_reduction for r in readers))):
         out.add(v)
+  return out
+
+
+def _into_reduction(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]:
+  """Ops a reduction's fusion takes in: reductions, and fusible ops whose one result
+  is read once, by such an op."""
+  out: set[int] = set()
+  for op in reversed(top):  # readers come after their producers
+    if op.index not in live or op.subregions:
+      continue
+    if op.primitive in _FUSING and op.primitive not in _FUSIBLE:
+      out.add(op.index)
+    elif op.primitive in _FUSIBLE and len(op.outputs) == 1:
+      readers = [c for c in graph.consumers.get(op.outputs[0], ()) if c in live]
+      if len(readers) == 1 and readers[0] in out:
+        out.add(op.index)
   return out

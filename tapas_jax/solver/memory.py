@@ -159,7 +159,9 @@ def activations(problem: Problem) -> Activations:
   * The compiler's own layout choices, per `DeviceProfile`: without a reduce-scatter
     pass the reduced copy is the whole all-reduced value (`reduce_scatter`); a
     convolution run only in canonical order reads other operands through transposed
-    copies made as the operand is made (`canonical_convolutions`).
+    copies made as the operand is made (`canonical_convolutions`); a value read by
+    several ops, one leading into a reduction, is written out where reductions do
+    not recompute their operands (`reductions_duplicate`).
   """
   g = problem.graph
   top = g.region_ops(0)
@@ -170,7 +172,8 @@ def activations(problem: Problem) -> Activations:
   carried = {g.outputs[k] for k, _ in g.carried}
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
 
-  fused = fused_values(g, top, live)
+  fused = fused_values(g, top, live,
+                      reductions_duplicate=problem.profile.reductions_duplicate)
 
   def in_update(c):
     return problem.view.op_canon.get(c, c) in problem.update_ops
@@ -459,7 +462,8 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
     return []
   body = [o for o in g.ops if o.region == region.index]
   live = live_ops(g, body, region.outputs)
-  fused = fused_values(g, body, live, region.outputs)
+  fused = fused_values(g, body, live, region.outputs,
+                      reductions_duplicate=problem.profile.reductions_duplicate)
   out = []
   for o in body:
     rule = problem.rules.get(o.index)

@@ -90,6 +90,13 @@ class DeviceProfile:
       out) and copies other operands and results transposed into it (XLA:CPU's
       convolution canonicalization; the backward pass's weight-gradient convs put
       the activations in non-canonical slots). The memory model counts the copies.
+    combine_threshold_bytes: most bytes of gradients the compiler's combiner puts
+      into one reduction (XLA GPU's `xla_gpu_all_reduce_combine_threshold_bytes`
+      and its reduce-scatter twin default to 30 MiB; assumed the same on TPU, whose
+      flags are not public). XLA:CPU combines every gradient into one reduction at
+      the end of the backward pass (measured on the zoo: its temporaries hold every
+      gradient twice there), which is infinite here. Gradients wait for their
+      combined reduction, so this sets how many are live at once.
     reductions_duplicate: whether a reduction's fusion recomputes a cheap operand
       that other ops also read (XLA's GPU and TPU fusions do). XLA:CPU's reduction
       fusions (YNNPACK) do not: the operand is written out, as a batch norm's
@@ -114,6 +121,7 @@ class DeviceProfile:
   reduce_scatter: bool = True
   canonical_convolutions: bool = False
   reductions_duplicate: bool = True
+  combine_threshold_bytes: float = 30 * 2**20
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -267,6 +275,7 @@ PROFILES: dict[str, DeviceProfile] = {
         reduce_scatter=False,
         canonical_convolutions=True,
         reductions_duplicate=False,
+        combine_threshold_bytes=math.inf,
     ),
 }
 
@@ -286,7 +295,8 @@ def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
   return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
                              reduce_scatter=cpu.reduce_scatter,
                              canonical_convolutions=cpu.canonical_convolutions,
-                             reductions_duplicate=cpu.reductions_duplicate)
+                             reductions_duplicate=cpu.reductions_duplicate,
+                             combine_threshold_bytes=cpu.combine_threshold_bytes)
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:

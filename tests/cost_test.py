@@ -6,6 +6,7 @@ device's buffer is F divided by the sizes of the axes splitting it.
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -57,12 +58,12 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   on_cpu = cost.compiled_by_xla_cpu("tpu-v5p")
   assert on_cpu.name == "tpu-v5p on XLA:CPU"
   layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
-                       p.reductions_duplicate)
-  assert layout(on_cpu) == layout(cpu) == (False, True, False)
-  assert layout(base) == (True, False, True)
+                       p.reductions_duplicate, p.combine_threshold_bytes)
+  assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf)
+  assert layout(base) == (True, False, True, 30 * 2**20)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
-                             canonical_convolutions=False,
-                             reductions_duplicate=True) == base
+                             canonical_convolutions=False, reductions_duplicate=True,
+                             combine_threshold_bytes=30 * 2**20) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 

@@ -140,7 +140,8 @@ def activations(problem: Problem) -> Activations:
   * A gradient (what the update reads, traced back through the elementwise ops XLA
     fuses into the update: one per dot or scatter making it, however many moments read
     it) that a split leaves partial sums is reduced in one reduction combined with
-    every other's, once the last of them is made (XLA's all-reduce combiner): it is
+    the others made next to it, up to `DeviceProfile.combine_threshold_bytes` (XLA's
+    all-reduce combiner), once the last of them is made: it is
     kept as made until then, both it and its reduced copy (in the layout the update
     reads: a reduce-scatter's slice under ZeRO) are live as the reduction runs, and the
     reduced copy lives to the update. A gradient nothing reduces is used where it is
@@ -303,14 +304,15 @@ def activations(problem: Problem) -> Activations:
   _hand_over_in_place(g, top, pos, live, values, stop, start)
   only = [()] * len(values)
   if gradients:
-    # Where a split leaves them partial sums, their reductions are combined into one,
-    # run once the last of them is made: each is kept as made until then, its reduced
+    # Where a split leaves them partial sums, their reductions are combined, in program
+    # order, up to the compiler's combine threshold, each combined reduction run once
+    # the last of its gradients is made: each is kept as made until then, its reduced
     # copy from then to the update, and the two live together while the reduction runs.
     # Where none is reduced, XLA updates each parameter as soon as its gradient is made
     # (in place): the gradient lives where it is made only.
-    at = min(max(pos[g.producer[x]] for x in gradients) + 1, end)
+    at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, end)
     for x, (read, last) in gradients.items():
-      p = g.producer[x]
+      p, at = g.producer[x], at_of[x]
       made, partial = _made(problem, g.ops[p], x), _partial_classes(problem, p)
       if made is None or not partial:
         continue
@@ -361,6 +363,26 @@ def activations(problem: Problem) -> Activations:
   return Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
                       tuple(dims), len(top), tuple(values), tuple(stored), tuple(unless),
                       tuple(only))
+
+
+def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:
+  """gradient -> program position of the combined reduction that reduces it: in the
+  order they are made, gradients join one reduction until their bytes would pass
+  `threshold` (XLA's all-reduce / reduce-scatter combiners; the whole bytes stand
+  for each device's share), which runs after the last of them is made."""
+  out: dict[int, int] = {}
+  bucket: list[int] = []
+  total = 0.0
+  for x in sorted(gradients, key=lambda x: pos[g.producer[x]]) + [None]:
+    nbytes = g.types[x].nbytes if x is not None else math.inf
+    if bucket and (x is None or total + nbytes > threshold):
+      at = min(max(pos[g.producer[y]] for y in bucket) + 1, end)
+      out.update((y, at) for y in bucket)
+      bucket, total = [], 0.0
+    if x is not None:
+      bucket.append(x)
+      total += nbytes
+  return out
 
 
 def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:

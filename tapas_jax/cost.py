@@ -661,12 +661,30 @@ def _collective(
     return Collective(kind, axes, 0.0, 0.0)
   # Ring: an all-reduce is a reduce-scatter plus an all-gather, twice the
   # steps and twice the bytes of either.
-  factor, steps = (2, 2 * (n - 1)) if kind == ALL_REDUCE else (1, n - 1)
+  factor = 2 if kind == ALL_REDUCE else 1
   sent = factor * (n - 1) / n * local_bytes
-  links = {mesh.link(a) for a in axes}
-  bandwidth = min(profile.bandwidth(link) for link in links)
-  alpha = max(profile.latency(link) for link in links)
-  return Collective(kind, axes, sent, alpha * steps + sent / bandwidth)
+  if kind == ALL_TO_ALL or len(axes) == 1:
+    links = {mesh.link(a) for a in axes}
+    bandwidth = min(profile.bandwidth(link) for link in links)
+    alpha = max(profile.latency(link) for link in links)
+    return Collective(kind, axes, sent, alpha * factor * (n - 1) + sent / bandwidth)
+  return Collective(kind, axes, sent, factor * _staged_time(local_bytes, axes, mesh, profile))
+
+
+def _staged_time(local_bytes: float, axes: tuple[str, ...], mesh: MeshSpec,
+                 profile: DeviceProfile) -> float:
+  """Seconds of a reduce-scatter (or all-gather) over several mesh axes, one ring per
+  axis, the fastest link first on the whole buffer and each next on what is left:
+  what TPUs' per-dimension rings and NCCL's hierarchical algorithms do with the one
+  collective XLA emits over the axes together. The bytes are the flat ring's,
+  (n-1)/n of the buffer; the steps and the slow links' share are fewer."""
+  order = sorted(axes, key=lambda a: -profile.bandwidth(mesh.link(a)))
+  time, buffer = 0.0, local_bytes
+  for a in order:
+    k, link = mesh.size(a), mesh.link(a)
+    time += profile.latency(link) * (k - 1) + (k - 1) / k * buffer / profile.bandwidth(link)
+    buffer /= k
+  return time
 
 
 def all_reduce(

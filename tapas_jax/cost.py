@@ -280,6 +280,11 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+# The DeviceProfile fields that describe its compiler's memory layout, not the chip.
+_COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
+                    "combine_threshold_bytes")
+
+
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
   """A profile's figures with XLA:CPU's memory layout: to compare a plan's predicted
   memory with what a CPU mesh standing in for that device compiles it to.
@@ -293,10 +298,7 @@ def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
   if profile.name == cpu.name or profile.name.endswith(" on XLA:CPU"):
     return profile
   return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
-                             reduce_scatter=cpu.reduce_scatter,
-                             canonical_convolutions=cpu.canonical_convolutions,
-                             reductions_duplicate=cpu.reductions_duplicate,
-                             combine_threshold_bytes=cpu.combine_threshold_bytes)
+                             **{f: getattr(cpu, f) for f in _COMPILER_LAYOUT})
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:

@@ -144,16 +144,10 @@ def compiled_case(family, kind):
   return plan.stats.predicted_memory_bytes, got.memory_bytes
 
 
-# Rows known to fall outside 20%, and why (none at present).
-_OUTSIDE: dict[tuple[str, str], str] = {}
-
-
 # Measured (scripts/bench_memory.py, BENCHMARKS.md, "XLA:CPU's own layout"): every
 # row of the tiny zoo 0.84-1.08 of XLA's figure, predicted with XLA:CPU's layout.
 @pytest.mark.parametrize("family, kind", [
-    pytest.param(f, k, marks=[pytest.mark.xfail(reason=_OUTSIDE[f, k], strict=True)]
-                 if (f, k) in _OUTSIDE else [])
-    for f in models.FAMILIES for k in ("search",) + baselines.BASELINES])
+    (f, k) for f in models.FAMILIES for k in ("search",) + baselines.BASELINES])
 def test_predicted_memory_is_within_20_percent_of_xla(family, kind):
   predicted, compiled = compiled_case(family, kind)
   assert predicted == pytest.approx(compiled, rel=0.2)

@@ -50,6 +50,7 @@ _FUSIBLE = frozenset(ruleslib.ELEMENTWISE + ruleslib.IDENTITY + (
 # Readers a fusible op fuses into: fusible ops and reductions (a fusion's root).
 _FUSING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                       "reduce_and", "reduce_or", "argmax", "argmin"}
+_REDUCTIONS = _FUSING - _FUSIBLE
 # Fusible ops XLA does not duplicate into several readers (its IsExpensive list):
 # with more than one reader their result is written out.
 _EXPENSIVE = frozenset({
@@ -97,7 +98,7 @@ def _into_reduction(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]
   for op in reversed(top):  # readers come after their producers
     if op.index not in live or op.subregions:
       continue
-    if op.primitive in _FUSING and op.primitive not in _FUSIBLE:
+    if op.primitive in _REDUCTIONS:
       out.add(op.index)
     elif op.primitive in _FUSIBLE and len(op.outputs) == 1:
       readers = [c for c in graph.consumers.get(op.outputs[0], ()) if c in live]

@@ -370,19 +370,16 @@ def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:
   order they are made, gradients join one reduction until their bytes would pass
   `threshold` (XLA's all-reduce / reduce-scatter combiners; the whole bytes stand
   for each device's share), which runs after the last of them is made."""
-  out: dict[int, int] = {}
-  bucket: list[int] = []
+  buckets: list[list[int]] = [[]]
   total = 0.0
-  for x in sorted(gradients, key=lambda x: pos[g.producer[x]]) + [None]:
-    nbytes = g.types[x].nbytes if x is not None else math.inf
-    if bucket and (x is None or total + nbytes > threshold):
-      at = min(max(pos[g.producer[y]] for y in bucket) + 1, end)
-      out.update((y, at) for y in bucket)
-      bucket, total = [], 0.0
-    if x is not None:
-      bucket.append(x)
-      total += nbytes
-  return out
+  for x in sorted(gradients, key=lambda x: pos[g.producer[x]]):
+    if buckets[-1] and total + g.types[x].nbytes > threshold:
+      buckets.append([])
+      total = 0.0
+    buckets[-1].append(x)
+    total += g.types[x].nbytes
+  return {x: min(pos[g.producer[bucket[-1]]] + 1, end)
+          for bucket in buckets for x in bucket}
 
 
 def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:

@@ -3,10 +3,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+# VENV names a second environment (CI tests a second Python and jax line in .venv312).
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-if ! .venv/bin/python -c "import tapas_jax, pytest, ml_collections, orbax.checkpoint" 2>/dev/null || [ ! -x .venv/bin/ruff ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+if ! "$VENV/bin/python" -c "import tapas_jax, pytest, ml_collections, orbax.checkpoint" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e '.[test]'
 fi

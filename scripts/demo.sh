@@ -9,5 +9,5 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 WORKDIR="${WORKDIR:-$(mktemp -d -t tapas_demo.XXXXXX)}"
 echo "workdir $WORKDIR (plan.json, plan.txt, metrics.jsonl, checkpoints/)"
-exec .venv/bin/python scripts/train.py --mesh=data:2,model:4 --compare \
+exec "$VENV/bin/python" scripts/train.py --mesh=data:2,model:4 --compare \
   --workdir="$WORKDIR" "$@"

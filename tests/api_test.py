@@ -22,8 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
       "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
-      "TraceError", "apply", "fold", "make_mesh", "models", "place", "remat_policy",
-      "search", "shard", "trace"]
+      "TraceError", "Verified", "apply", "fold", "make_mesh", "models", "place",
+      "remat_policy", "search", "shard", "trace", "verify"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 

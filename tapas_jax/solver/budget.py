@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from tapas_jax.options import format_bytes
 from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
                                      memory_used)
 from tapas_jax.solver.problem import Problem
@@ -201,12 +202,12 @@ def budget_error(problem: Problem, budget: float, reached: float,
   floor = sum(r[0] for r in rows)
   top = ", ".join(f"{p} {t} ({b / 2**20:.1f} MiB)" for b, p, t in rows[:5])
   return InfeasibleBudgetError(
-      f"search: memory_budget={budget / 2**30:.3f} GiB per device cannot be met on mesh "
+      f"search: memory_budget={format_bytes(budget)} per device cannot be met on mesh "
       f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: "
-      + (f"the leanest plan found takes {reached / 2**30:.3f} GiB (inputs and the "
+      + (f"the leanest plan found takes {format_bytes(reached)} (inputs and the "
          "intermediates live at the activation peak); " if math.isfinite(reached) else "")
       + "even splitting "
-      f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
+      f"every dimension as far as the mesh allows leaves {format_bytes(floor)} of "
       f"inputs per device. Largest inputs per device: {top}."
       + (f" Largest intermediates at the peak: {live}." if live else "")
       + " Raise the budget, use a bigger mesh, let the batch split over more mesh axes "

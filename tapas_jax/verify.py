@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from tapas_jax import apply as applylib
+from tapas_jax.apply import apply as apply_plan
 from tapas_jax import cost as costlib
 from tapas_jax import measure
 from tapas_jax import options
@@ -340,7 +340,7 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
   devices = list(mesh.devices.flat)
   hbm, source = (override, "given") if override else _hbm(devices, plan, tpu)
   abstract = jax.tree_util.tree_map(_abstract, (args, dict(kwargs or {})))
-  step = applylib.apply(plan, fn, mesh=mesh, donate_argnums=donate_argnums)
+  step = apply_plan(plan, fn, mesh=mesh, donate_argnums=donate_argnums)
   base = dict(plan_name=plan.name, target=topology if tpu else f"local {devices[0].platform}",
               device_kind=devices[0].device_kind, num_devices=len(devices),
               predicted_memory_bytes=plan.stats.predicted_memory_bytes,

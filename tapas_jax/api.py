@@ -51,10 +51,11 @@ class Prepared:
 
 
 def default_device() -> str:
-  """The device profile for the local platform."""
+  """The device profile of the local devices' generation (`device_kind`: v4, v5e,
+  v5p, v6e, A100, H100, H200), or their platform's nearest one."""
   import jax  # noqa: PLC0415
-  platform = jax.devices()[0].platform
-  return {"gpu": "h100", "tpu": "tpu-v5e"}.get(platform, "cpu")
+  device = jax.devices()[0]
+  return costlib.profile_for_kind(device.device_kind, device.platform)
 
 
 def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
@@ -123,8 +124,9 @@ def search(fn, *args, mesh, device: str | None = None,
     *args: its arguments: arrays or `jax.ShapeDtypeStruct` pytrees (nothing allocated).
     mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes
       (positive ints, e.g. `{"data": 2, "model": 4}`).
-    device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, a100, h100, h200, cpu);
-      default from the local platform.
+    device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200,
+      cpu); default: the `verify` topology's generation, else the local devices'
+      (`device_kind`).
     memory_budget: per-device bytes the plan may take: the program's inputs
       (parameters, optimizer state, batch) plus the intermediates live at the
       activation peak, as `plan.stats.predicted_memory_bytes` reports. None: the
@@ -190,6 +192,8 @@ def search(fn, *args, mesh, device: str | None = None,
   solver = options.solver(solver)
   time_limit = options.time_limit(time_limit)
   topology = options.topology(verify)
+  if topology is not None and device is None:
+    device = costlib.profile_for_topology(topology)  # the chip compiled for
   prepared = prepare(fn, args, mesh=mesh, device=device, batch_axes=batch_axes, fold=fold,
                      links=links, kwargs=kwargs, sequence_parallel=sequence_parallel)
   solverlib.warn_unsplittable(prepared.problem)

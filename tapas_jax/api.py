@@ -262,7 +262,8 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
                  + ("" if record.compiled else " (the compiler refused it)"))
     missing = record.peak_bytes - limit
     if record.compiled and missing <= 0:
-      figures = dataclasses.replace(record.figures(), rounds=tuple(rounds))
+      # Judged against the budget where it is below the chip's memory.
+      figures = dataclasses.replace(record.figures(), rounds=tuple(rounds), hbm_bytes=limit)
       return dataclasses.replace(plan, compiled=figures)
     budget = min(budget or math.inf, predicted) - missing
     if budget <= 0:

@@ -28,6 +28,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import cost as costlib
+from tapas_jax.options import format_bytes
 from tapas_jax.fold import Folded
 from tapas_jax.solver import Problem, Solution
 from tapas_jax.solver import memory, remat, tables
@@ -326,15 +327,14 @@ class Plan:
     c = self.compiled
     if c is None:
       return []
-    gib = 2**30
+    size = format_bytes
     verdict = "fits" if c.fits else "DOES NOT FIT"
-    lines = [f"  compiled for {c.target}: {verdict}, peak {c.peak_bytes / gib:.3f} of "
-             f"{c.hbm_bytes / gib:.3f} GiB/device (predicted "
-             f"{self.stats.predicted_memory_bytes / gib:.3f}); sent "
-             f"{dict(c.comm_bytes).get('total', 0.0) / 2**20:.2f} MiB/device"]
+    lines = ["", f"  compiled for {c.target}: {verdict}, peak {size(c.peak_bytes)} of "
+             f"{size(c.hbm_bytes)} (predicted {size(self.stats.predicted_memory_bytes)}), "
+             f"sends {size(dict(c.comm_bytes).get('total', 0.0))}"]
     if len(c.rounds) > 1:
-      lines += [f"    search {k + 1} under {b / gib:.3f} GiB: predicted {p / gib:.3f}, "
-                f"compiled {m / gib:.3f} GiB" for k, (b, p, m) in enumerate(c.rounds)]
+      lines += [f"    search {k + 1} under {size(b)}: predicted {size(p)}, compiled "
+                f"{size(m)}" for k, (b, p, m) in enumerate(c.rounds)]
     if c.error:
       lines.append(f"    compiler: {c.error}")
     return lines

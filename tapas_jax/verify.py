@@ -222,9 +222,11 @@ def parse_out_of_memory(message: str) -> tuple[float, float] | None:
   or None when the message states neither.
 
   Example:
-    >>> parse_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
-    ...   "memory required for HLO temporaries (26.84G) exceeds available HBM (15.75G).")
-    (28818874531.84, 16911433728.0)
+    >>> need, have = parse_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, "
+    ...   "the total memory required for HLO temporaries (26.84G) exceeds available HBM "
+    ...   "(15.75G).")
+    >>> need / 2**30, have / 2**30  # XLA's G is GiB
+    (26.84, 15.75)
   """
   m = _NEEDS.search(message) or _USED.search(message)
   if m is None:

@@ -130,6 +130,7 @@ def test_search_verify_searches_again_until_the_compiler_accepts(libtpu, tmp_pat
   assert first_budget == 20 * 2**20 and first_predicted <= first_budget < first_compiled
   assert rounds[-1][2] <= 20 * 2**20 and rounds[-1][0] < first_budget
   assert plan.compiled.fits and plan.compiled.peak_bytes == rounds[-1][2]
+  assert plan.compiled.hbm_bytes == 20 * 2**20  # judged against the budget, not the chip
   assert plan.stats.predicted_memory_bytes == rounds[-1][1]
   path = tmp_path / "plan.json"
   plan.save(path)

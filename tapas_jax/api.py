@@ -261,12 +261,15 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
                  f"predicted {fmt(predicted)}, compiled {fmt(record.peak_bytes)}"
                  + ("" if record.compiled else " (the compiler refused it)"))
     missing = record.peak_bytes - limit
+    if not record.compiled and missing <= 0:
+      # Refused, with no sizes in the message: a quarter less, for want of a figure.
+      missing = predicted / 4
     if record.compiled and missing <= 0:
       # Judged against the budget where it is below the chip's memory.
       figures = dataclasses.replace(record.figures(), rounds=tuple(rounds), hbm_bytes=limit)
       return dataclasses.replace(plan, compiled=figures)
     budget = min(budget or math.inf, predicted) - missing
-    if budget <= 0:
+    if budget <= 0 or k == VERIFY_ROUNDS - 1:
       break
     try:
       plan = solve(budget)

@@ -78,7 +78,9 @@ class Verified:
     device_kind: the compiled-for devices' `device_kind` ("TPU v5", "cpu").
     num_devices: devices in the mesh.
     argument_bytes, output_bytes, alias_bytes, temp_bytes: `memory_analysis()`; for a
-      program the compiler rejected, 0 but `temp_bytes` (its "required" figure).
+      program the compiler rejected, 0 but `temp_bytes`: the requirement its message
+      states ("memory required for HLO temporaries"), 0 where it states none. The
+      arguments are not in that figure, so the program is at least `missing_bytes` short.
     hbm_bytes: memory a device may use: the compiler's usable HBM for a TPU
       (`USABLE_HBM`, or the figure its error states), the runtime's `bytes_limit` for
       a local accelerator, else the plan's device profile.
@@ -157,7 +159,10 @@ class Verified:
     verdict = (f"fits: peak {gib(self.peak_bytes)} of {gib(self.hbm_bytes)} "
                f"({self.hbm_source})" if self.fits else
                f"DOES NOT FIT: needs {gib(self.peak_bytes)}, {gib(self.hbm_bytes)} "
-               f"available ({self.hbm_source}), {gib(self.missing_bytes)} short")
+               f"available ({self.hbm_source}), {'at least ' if self.error else ''}"
+               f"{gib(self.missing_bytes)} short")
+    if self.error and not self.temp_bytes:
+      verdict = "DOES NOT FIT: the compiler ran out of memory (its message states no size)"
     lines = [head, f"  {verdict}"]
     if self.error:
       lines.append(f"  compiler: {self.error.strip().splitlines()[0][:200]}")

@@ -101,13 +101,15 @@ def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):
   def big(x):  # 10 GB of state (kept whole by data parallel) and 10 GB temporaries on
     return x - jnp.sin(x) @ jnp.cos(x)  # a 15.75 GiB v5e
   x = S((50000, 50000), jnp.float32)
-  plan = baselines.baseline("data_parallel", big, x, mesh={"data": 4}, device="tpu-v5e")
+  with pytest.warns(UserWarning, match="would not fit"):  # the model agrees
+    plan = baselines.baseline("data_parallel", big, x, mesh={"data": 4}, device="tpu-v5e")
   record = tapas.verify(plan, big, x, topology="v5e:2x2")
   assert not record.compiled and not record.fits and "RESOURCE_EXHAUSTED" in record.error
   assert record.hbm_bytes == pytest.approx(15.75 * 2**30)
   assert record.missing_bytes == pytest.approx(record.temp_bytes - 15.75 * 2**30)
   assert record.missing_bytes > 2**30
-  assert "DOES NOT FIT" in record.summary()
+  assert "DOES NOT FIT" in record.summary() and "at least" in record.summary()
+  assert record.argument_bytes == 0 and record.flops == 0 and record.comm_bytes == {}
 
 
 def test_a_topology_of_another_size_is_refused(libtpu):

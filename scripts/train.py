@@ -57,7 +57,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _MESH = flags.DEFINE_string("mesh", None, "Mesh axes as name:size pairs, outermost first, "
                             "e.g. data:2,model:4; default: the config's mesh.")
 _DEVICE = flags.DEFINE_string("device", None, "Cost profile of the device (tpu-v4, tpu-v5e, "
-                              "tpu-v5p, a100, h100, h200, cpu); default: the local platform.")
+                              "tpu-v5p, tpu-v6e, a100, h100, h200, cpu); default: --verify's "
+                              "topology's, else the local devices' generation.")
 _MEMORY_BUDGET = flags.DEFINE_string("memory_budget", None, "Per-device memory the plan may "
                                      "take: bytes, or with a unit (16GiB, 512MiB, 80GB).")
 _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, megatron "

@@ -33,11 +33,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from tapas_jax.apply import apply as apply_plan
 from tapas_jax import cost as costlib
 from tapas_jax import measure
 from tapas_jax import options
 from tapas_jax import plan as planlib
+from tapas_jax.apply import apply as apply_plan
 from tapas_jax.mesh import make_mesh
 
 __all__ = ["TPU_EXTRA", "USABLE_HBM", "LibtpuMissingError", "Verified",
@@ -262,11 +262,8 @@ def tpu_mesh(topology: str, mesh_axes: Mapping[str, int]) -> jax.sharding.Mesh:
     LibtpuMissingError: libtpu cannot be loaded (`TPU_EXTRA`).
     ValueError: an unknown topology, or one with another number of devices.
   """
+  topology = options.topology(topology, "verify", "topology")
   topologies = _topologies()
-  if not isinstance(topology, str) or ":" not in topology:
-    raise options.OptionError(f"verify: topology={topology!r} is not a TPU topology name; "
-                              "write generation:shape, e.g. 'v5e:2x2', 'v5p:2x2x1', "
-                              "'v6e:16x16'.")
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
   except Exception as e:  # noqa: BLE001 - libtpu raises its own runtime errors

@@ -74,6 +74,21 @@ def test_a_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
     tapas.verify(plan, _loss, *ARGS, topology="v5e:2x2")
 
 
+@pytest.mark.parametrize("topology,message", [
+    ("v5p", r"topology='v5p' is not a TPU topology name.*'v5e:2x2'"),
+    (4, r"topology=4 is not a TPU topology name")])
+def test_a_bad_topology_name_is_refused_before_compiling(topology, message):
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")
+  with pytest.raises(ValueError, match=message):
+    tapas.verify(plan, _loss, *ARGS, topology=topology)
+
+
+def test_a_topology_libtpu_does_not_know_is_named(libtpu):
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")
+  with pytest.raises(ValueError, match=r"topology='v9z:2x2' is not one libtpu knows"):
+    tapas.verify(plan, _loss, *ARGS, topology="v9z:2x2")
+
+
 @pytest.mark.parametrize("message,need,have", [
     ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
      "temporaries (26.84G) exceeds available HBM (15.75G).", 26.84 * 2**30, 15.75 * 2**30),

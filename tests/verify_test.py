@@ -165,3 +165,64 @@ def test_search_verify_says_by_how_much_the_leanest_failed(libtpu):
                  memory_budget="4MiB", verify="v5p:2x2x1")
   assert e.value.budget_bytes == 4 * 2**20 and e.value.leanest_bytes > 4 * 2**20
   assert math.isfinite(e.value.leanest_bytes)
+
+
+def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: float = math.inf):
+  """A stand-in for the TPU compile: the predicted peak plus a fixed `overhead`, as the
+  TPU compiler's tile padding adds at tiny widths; refused (RESOURCE_EXHAUSTED) over
+  `refuse_over`. Counts its calls."""
+  calls = []
+
+  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs):
+    peak = plan.stats.predicted_memory_bytes + overhead
+    calls.append(peak)
+    refused = peak > refuse_over
+    return verifylib.Verified(
+        plan_name=plan.name, target=topology, device_kind="TPU v5", num_devices=4,
+        argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=int(peak),
+        hbm_bytes=refuse_over if refused else hbm, hbm_source="compiler",
+        comm_bytes={"total": 0.0}, flops=1.0,
+        predicted_memory_bytes=plan.stats.predicted_memory_bytes,
+        predicted_comm_bytes=0.0, compile_s=0.0,
+        error="RESOURCE_EXHAUSTED: ..." if refused else "")
+  return compile_for, calls
+
+
+BIG = (S((2048, 2048), jnp.float32), S((256, 2048), jnp.float32))
+
+
+def _sgd(w, x):
+  g = jax.grad(_loss)(w, x)
+  return w - 0.1 * g
+
+
+def test_the_search_again_loop_lowers_the_budget_by_what_was_missing(monkeypatch):
+  # Independent of libtpu and of the memory model: the compiler is a stand-in that adds
+  # almost all the room between the leanest plan and the budget.
+  mesh = {"data": 2, "model": 2}
+  free = tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
+  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
+    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
+  leanest = lean.value.leanest_bytes
+  budget = (free.stats.predicted_memory_bytes + leanest) / 2
+  compile_for, calls = _fake_compiler(overhead=0.98 * (budget - leanest))
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  plan = tapas.search(_sgd, *BIG, mesh=mesh, memory_budget=budget, verify="v5p:2x2x1")
+  rounds = plan.compiled.rounds
+  assert len(rounds) == len(calls) >= 2 and plan.device == "tpu-v5p"
+  assert rounds[0][0] == budget and rounds[0][2] > budget  # predicted fits, compiled not
+  for (b0, p0, c0), (b1, _, _) in zip(rounds, rounds[1:]):
+    assert b1 == pytest.approx(min(b0, p0) - (c0 - budget))  # lowered by what was missing
+  assert rounds[-1][2] <= budget and plan.compiled.fits
+  assert [r[2] for r in rounds] == [int(c) for c in calls]  # each compile, in order
+
+
+def test_the_search_again_loop_gives_up_saying_by_how_much(monkeypatch):
+  compile_for, calls = _fake_compiler(overhead=64 * 2**20, refuse_over=16 * 2**20)
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  with pytest.raises(tapas.InfeasibleBudgetError,
+                     match=r"no plan compiled within 16.00 MiB per device \(the usable HBM of "
+                     r"v5p:2x2x1\); the leanest needs [\d.]+ MiB, [\d.]+ MiB too much\. "
+                     r"round 1: .*\(the compiler refused it\)") as e:
+    tapas.search(_sgd, *BIG, mesh={"data": 2, "model": 2}, verify="v5p:2x2x1")
+  assert e.value.budget_bytes == 16 * 2**20 and e.value.leanest_bytes == min(calls)

@@ -18,7 +18,10 @@ reader refuses versions newer than its own), `name`, `device`, `fingerprint`, `m
 ([axis, size] pairs, in order), `in_specs` (one spec tree per positional argument),
 `kwargs_specs` ([name, spec tree] pairs), `input_types` ([path, "float32[8,64]"]),
 `class_axes`, `layers`, `stats` (the `PlanStats` fields) and `constraints` ({site,
-slot, spec}). A PartitionSpec is a list of null, an axis name or a list of names; a
+slot, spec}); a plan searched with `verify=` also has `compiled` (the
+`CompiledFigures` fields; `comm_bytes` and `rounds` as lists, an unlimited budget null),
+which files of plans without it leave out, so older readers still read them. A
+PartitionSpec is a list of null, an axis name or a list of names; a
 spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
 {"tuple": [...]}, {"node": type name, "keys": [[kind, key], ...], "children": [...]}
 or null.

@@ -284,13 +284,22 @@ class Compiled:
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def measure(compiled: Any, num_devices: int) -> Compiled:
-  """Reads collectives, memory and FLOPs off a `jax.stages.Compiled`."""
+def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True) -> Compiled:
+  """Reads collectives, memory and FLOPs off a `jax.stages.Compiled`.
+
+  Args:
+    compiled: the compiled program.
+    num_devices: devices in it.
+    reduce_scatter_creator: as for `collective_bytes`; False counts the program as
+      compiled (for a TPU or GPU program, whose pipeline has had its chance to form
+      reduce-scatters).
+  """
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
     cost = cost[0] if cost else {}
-  return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices),
+  return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices,
+                                              reduce_scatter_creator),
                   argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes),

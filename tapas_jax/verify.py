@@ -86,7 +86,9 @@ class Verified:
       a local accelerator, else the plan's device profile.
     hbm_source: where `hbm_bytes` comes from ("compiler", "runtime", "profile", "given").
     comm_bytes: collective kind -> bytes sent per device per step, with "total"
-      (`measure.collective_bytes`; empty when the compile failed).
+      (`measure.collective_bytes`: for a TPU or GPU program as compiled, an all-reduce
+      read as slices still an all-reduce; for XLA:CPU as the accelerator pipelines
+      would make it; empty when the compile failed).
     flops: the compiler's FLOPs per device (a loop body counts once).
     predicted_memory_bytes, predicted_comm_bytes: the plan's `PlanStats`.
     compile_s: seconds lowering and compiling.
@@ -361,7 +363,11 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
                     hbm_bytes=override or have, hbm_source="given" if override else "compiler",
                     comm_bytes={}, flops=0.0, compile_s=time.perf_counter() - start,
                     error=str(e), **base)
-  got = measure.measure(compiled, len(devices))
+  # A TPU program is counted as compiled: its pipeline has had its chance to turn an
+  # all-reduce read as slices into a reduce-scatter (it keeps some: a combined gradient
+  # all-reduce, BENCHMARKS.md). A CPU one as `measure` counts it for an accelerator.
+  got = measure.measure(compiled, len(devices),
+                        reduce_scatter_creator=devices[0].platform == "cpu")
   return Verified(argument_bytes=got.argument_bytes, output_bytes=got.output_bytes,
                   alias_bytes=got.alias_bytes, temp_bytes=got.temp_bytes, hbm_bytes=hbm,
                   hbm_source=source, comm_bytes=dict(got.comm_bytes), flops=got.flops,

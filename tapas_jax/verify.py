@@ -269,6 +269,12 @@ def tpu_mesh(topology: str, mesh_axes: Mapping[str, int]) -> jax.sharding.Mesh:
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
   except Exception as e:  # noqa: BLE001 - libtpu raises its own runtime errors
+    if "lockfile" in str(e):
+      raise RuntimeError(
+          "verify: libtpu is held by another process (its lockfile, /tmp/libtpu_lockfile); "
+          "for ahead-of-time compiles with no TPU attached, set "
+          "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in every process that loads it, or wait for the "
+          f"other to finish ({str(e).splitlines()[0][:160]}).") from None
     raise options.OptionError(f"verify: topology={topology!r} is not one libtpu knows "
                               f"({str(e).splitlines()[0][:160]}); e.g. 'v5e:2x2', "
                               "'v5p:2x2x1', 'v6e:4x4'.") from None

@@ -9,6 +9,12 @@ change is intended, regenerate the files and review the diff in git:
   python tests/solver_test.py --update-golden
 
 (the same as `TAPAS_UPDATE_GOLDEN=1 python -m pytest tests/solver_test.py -k golden`).
+
+jax lines differentiate some functions differently (from 0.11, tanh's derivative is one
+`one_minus_square` and GPT's train step has 20 ops fewer), so a line whose program moves
+a figure has files of its own, `NAME.jax0.12.json`; the others read `NAME.json`. Run
+the regeneration on each line CI tests: it writes a line's own file only where that
+line's record differs from `NAME.json`.
 """
 
 import dataclasses
@@ -228,7 +234,8 @@ def test_integer_program_is_the_constrained_optimum(seed):
     return
   assert case.ilp.status == "optimal"
   assert case.ilp_mem <= case.budget * (1 + 1e-9)
-  assert case.opt <= case.ilp_time <= case.opt * (1 + MIP_REL_GAP)
+  # Two sums of the same terms in different orders: equal up to rounding.
+  assert case.opt * (1 - 1e-12) <= case.ilp_time <= case.opt * (1 + MIP_REL_GAP)
 
 
 @pytest.mark.parametrize("seed", BUDGET_SEEDS)
@@ -397,6 +404,7 @@ def test_tables_are_the_entrywise_sums_bit_for_bit(family, mesh, fixed):
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("TAPAS_UPDATE_GOLDEN") == "1"
 REGENERATE = "python tests/solver_test.py --update-golden"
+JAX_LINE = ".".join(jax.__version__.split(".")[:2])
 FIGURES = ("predicted_step_s", "predicted_comm_bytes", "predicted_state_bytes",
            "predicted_memory_bytes")
 # (family, memory budget as a fraction of the unbudgeted plan's predicted memory).
@@ -497,11 +505,16 @@ def test_golden_plan(family, fraction):
   if budget is not None:
     assert plan.stats.predicted_memory_bytes <= budget
   name = f"{family}_tiny_cpu" + ("" if fraction is None else f"_budget{fraction:g}")
-  path = GOLDEN_DIR / f"{name}.json"
+  path, own = GOLDEN_DIR / f"{name}.json", GOLDEN_DIR / f"{name}.jax{JAX_LINE}.json"
   if UPDATE_GOLDEN:
     GOLDEN_DIR.mkdir(exist_ok=True)
-    path.write_text(_dumps(got))
+    if path.exists() and golden_diff(json.loads(path.read_text()), got):
+      own.write_text(_dumps(got))
+    else:
+      path.write_text(_dumps(got))
+      own.unlink(missing_ok=True)
     return
+  path = own if own.exists() else path
   if not path.exists():
     pytest.fail(f"no golden plan {path}; write it with: {REGENERATE}")
   want = json.loads(path.read_text())

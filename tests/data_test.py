@@ -145,6 +145,12 @@ def test_read_tokens_raw_and_npy(tmp_path):
   assert data.read_tokens(str(tmp_path / "c.npy")).tolist() == ids.tolist()
 
 
+def test_a_raw_file_of_another_dtype_is_named(tmp_path):
+  path = _write(tmp_path, "t.bin", np.zeros(3001, np.uint16))
+  with pytest.raises(data.DataError, match="read it as uint16 \\(--config.token_dtype=uint16"):
+    data.read_tokens(path, "uint32")
+
+
 def _write(tmp_path, name, array):
   path = str(tmp_path / name)
   if name.endswith(".npy"):
@@ -157,7 +163,7 @@ def _write(tmp_path, name, array):
 BAD = [  # (name, files to write, data text, num_eval, message)
     ("missing", {}, "tokens:{d}/none.bin", 0, "cannot read the token file"),
     ("odd_size", {"t.bin": np.zeros(3001, np.uint8)}, "tokens:{d}/t.bin", 0,
-     "3001 bytes is not a whole number of uint16 tokens"),
+     "3001 bytes is not a whole number of uint16 tokens (2 bytes each); it holds no whole"),
     ("not_integers", {"t.npy": np.zeros(3000, np.float32)}, "tokens:{d}/t.npy", 0,
      "a token file is one flat array of integer ids"),
     ("id_over_vocab", {"t.bin": np.full(3000, 256, np.uint16)}, "tokens:{d}/t.bin", 0,

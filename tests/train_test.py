@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tapas_jax as tapas
@@ -13,6 +14,7 @@ import tapas_jax as tapas
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 TINY = os.path.join(ROOT, "configs", "gpt2.py") + ":tiny"
+PREPARE = os.path.join(ROOT, "scripts", "prepare_data.py")
 
 
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -86,6 +88,45 @@ def test_trains_writes_and_resumes_with_another_plan(tmp_path):
   assert want[-1]["loss"] < want[0]["loss"] - 1.0  # the synthetic data is learnable
 
 
+def test_trains_on_a_token_file_resumes_its_input_and_splits_it_over_processes(tmp_path):
+  """The repository's own text as byte tokens: a run stopped and resumed reads the same
+  batches (same losses, same eval losses) as one that never stopped, and two processes,
+  each reading only its half of every global batch, compute the same losses as one."""
+  corpus = tmp_path / "corpus.bin"
+  sources = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "scripts", "train.py")]
+  prepared = subprocess.run([sys.executable, PREPARE, *sources, str(corpus)],
+                            capture_output=True, text=True, timeout=60)
+  assert prepared.returncode == 0, prepared.stderr
+  text = b"".join(open(f, "rb").read() for f in sources)
+  assert np.fromfile(corpus, "<u2").tolist() == list(text)  # one token per byte
+  straight, resumed, pair = tmp_path / "straight", tmp_path / "resumed", tmp_path / "pair"
+  common = (f"--config={TINY}", "--mesh=data:2,model:4", f"--config.data=tokens:{corpus}",
+            "--config.eval_every=2", "--config.eval_steps=2")
+  runs = [launch(*common, "--steps=4", f"--workdir={straight}"),
+          launch(*common, "--steps=2", f"--workdir={resumed}"),
+          launch(*common, "--steps=4", f"--workdir={resumed}")]
+  for run in runs:
+    assert run.returncode == 0, run.stderr[-3000:]
+  assert "restore step 2" in runs[2].stdout
+  assert "process 0 reads 8 of the 8 rows of each global batch" in runs[0].stdout
+  assert "4/4 step loss" in runs[0].stdout and "eval loss" in runs[0].stdout
+  saved = json.loads(next((resumed / "checkpoints" / "4" / "data").iterdir()).read_text())
+  assert saved["position"] == {"next_index": 4} and saved["file"] == str(corpus)
+  lead, other = launch_processes(2, *common, "--steps=4", f"--workdir={pair}")
+  assert lead[0] == other[0] == 0, (lead[2][-3000:], other[2][-3000:])
+  assert "process 0 reads 4 of the 8 rows of each global batch" in lead[1]
+  want = metrics(straight)
+  assert [m["step"] for m in want] == [1, 2, 3, 4]
+  assert [m["step"] for m in want if "eval_loss" in m] == [2, 4]
+  for got in (metrics(resumed), metrics(pair)):
+    for a, b in zip(want, got, strict=True):
+      assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+      assert b.get("eval_loss", 0) == pytest.approx(a.get("eval_loss", 0), rel=1e-4)
+  # A language model's loss: it starts near log(256) (uniform over bytes) and falls.
+  assert 5.0 < want[0]["loss"] < 7.0 and want[-1]["loss"] < want[0]["loss"] - 0.5
+  assert want[-1]["eval_loss"] < want[1]["eval_loss"]
+
+
 def test_plan_only_needs_no_devices(tmp_path):
   run = launch(f"--config={TINY}", "--mesh=data:4,model:8", "--plan_only",
                "--device=tpu-v5e", "--compare", f"--workdir={tmp_path}")
@@ -116,6 +157,12 @@ def _bad_plan(tmp_path):
   return f"--strategy=plan:{path}"
 
 
+def _token_file(tmp_path, tokens, *flags):
+  path = tmp_path / "tokens.bin"
+  np.asarray(tokens).tofile(path)
+  return [f"--config.data=tokens:{path}", *flags]
+
+
 def _unwritable(tmp_path):
   (tmp_path / "file").write_text("")
   return f"--workdir={tmp_path / 'file' / 'run'}"
@@ -138,6 +185,21 @@ BAD = [
     ("unknown_device", lambda p: ["--device=tpu-v9"], "tpu-v9"),
     ("unwritable_workdir", lambda p: [_unwritable(p)], "not a writable directory"),
     ("does_not_fit", lambda p: ["--batch_size=4194304"], "cannot be met"),  # by the search
+    ("unknown_data", lambda p: ["--config.data=parquet:x"], "choose learnable, random, "),
+    ("missing_tokens", lambda p: [f"--config.data=tokens:{p / 'none.bin'}"],
+     "none.bin: cannot read the token file (No such file or directory); give a readable"),
+    ("partial_token", lambda p: _token_file(p, np.zeros(5001, np.uint8)),
+     "tokens.bin: 5001 bytes is not a whole number of uint16 tokens"),
+    ("token_over_vocab", lambda p: _token_file(p, np.full(5000, 300, np.uint16)),
+     "tokens.bin: holds token id 300, at or above the model's vocab_size 256: set "
+     "--config.model.vocab_size above it"),
+    ("under_one_batch", lambda p: _token_file(p, np.zeros(200, np.uint16)),
+     "fewer than one global batch of 8 (257 tokens); give a larger file or a smaller"),
+    ("eval_split_too_large", lambda p: _token_file(p, np.zeros(5000, np.uint16),
+                                                   "--config.eval_every=1",
+                                                   "--config.eval_steps=20"),
+     "tokens.bin: the held-out split (160 windows) leaves 0 of its 156 windows"),
+    ("negative_eval_every", lambda p: ["--config.eval_every=-1"], "--config.eval_every=-1"),
 ]
 
 

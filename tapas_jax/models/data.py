@@ -154,10 +154,11 @@ def read_tokens(path: str, dtype: str = "uint16") -> np.ndarray:
       size = os.path.getsize(path)
       itemsize = np.dtype(dtype).itemsize
       if size % itemsize:
-        other = [d for d in TOKEN_DTYPES if d != dtype]
+        fits = [d for d in TOKEN_DTYPES if size % np.dtype(d).itemsize == 0]
+        fix = f"read it as {fits[0]} (--config.token_dtype={fits[0]})" if fits else \
+            "it holds no whole number of tokens of any dtype"
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
-                        f"({itemsize} bytes each); give the dtype it was written in "
-                        f"({', '.join(other)}), or write it again with "
+                        f"({itemsize} bytes each); {fix}, or write it again with "
                         "scripts/prepare_data.py")
       with open(path, "rb"):  # an unreadable file fails here, not in a reader thread
         pass
@@ -175,7 +176,7 @@ def read_tokens(path: str, dtype: str = "uint16") -> np.ndarray:
   return tokens
 
 
-def _token_layout(spec: Mapping[str, Any]) -> tuple[int, int, Callable]:
+def _token_layout(spec: Mapping[str, Any], name: str) -> tuple[int, int, Callable]:
   """`(window length, stride, window -> example)` for a token batch layout."""
   keys = set(spec)
   dtype = spec["inputs"].dtype if "inputs" in spec else None
@@ -193,7 +194,7 @@ def _token_layout(spec: Mapping[str, Any]) -> tuple[int, int, Callable]:
               "targets": targets}
 
     return enc_len + dec_len, enc_len + dec_len, encoder_decoder
-  raise DataError(f"a token file feeds batches of inputs+targets or inputs+decoder_inputs+"
+  raise DataError(f"{name}: a token file feeds batches of inputs+targets or inputs+decoder_inputs+"
                   f"targets; this model's batch holds {sorted(keys)}: give it images "
                   "(images:IMAGES.npy,LABELS.npy) or synthetic data (learnable)")
 
@@ -228,7 +229,7 @@ def from_tokens(tokens: np.ndarray, spec: Mapping[str, Any], *, num_eval: int,
     DataError: ids outside the vocab, fewer tokens than one global batch, or a held-out
       split that leaves less than one global batch to train on.
   """
-  length, stride, layout = _token_layout(spec)
+  length, stride, layout = _token_layout(spec, name)
   batch_size = next(iter(spec.values())).shape[0]
   _check_ids(name, tokens, vocab_size, "token id",
              f"vocab_size {vocab_size}: set --config.model.vocab_size above it, or "

@@ -143,6 +143,19 @@ def test_trains_on_npy_images(tmp_path):
     assert m["images_per_s"] > 0 and 1.0 < m["eval_loss"] < 5.0  # log(10) = 2.3
 
 
+@pytest.mark.parametrize("args,message", [
+    (["none.txt", "out.bin"], "cannot read none.txt (No such file or directory)"),
+    (["README.md", "no/such/dir/out.bin"], "cannot write no/such/dir/out.bin"),
+    (["out.bin"], "usage: prepare_data.py TEXT_FILE"),
+])
+def test_prepare_data_refuses_bad_paths_and_writes_nothing(tmp_path, args, message):
+  run = subprocess.run([sys.executable, PREPARE, *args], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT if args[0] == "README.md" else tmp_path)
+  assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+  assert message in run.stderr and "Traceback" not in run.stderr
+  assert not (tmp_path / "out.bin").exists() and not os.path.exists(os.path.join(ROOT, "no"))
+
+
 def test_plan_only_needs_no_devices(tmp_path):
   run = launch(f"--config={TINY}", "--mesh=data:4,model:8", "--plan_only",
                "--device=tpu-v5e", "--compare", f"--workdir={tmp_path}")
@@ -242,13 +255,15 @@ def test_a_saved_plan_trains(tmp_path):
   planned = launch(*common, "--plan_only", f"--workdir={tmp_path / 'plan'}")
   assert planned.returncode == 0, planned.stderr[-3000:]
   path = tmp_path / "plan" / "plan.json"
-  runs = [launch(*common, "--steps=2", f"--workdir={tmp_path / 'fresh'}"),
+  runs = [launch(*common, "--steps=2", "--config.eval_every=1", "--config.eval_steps=2",
+                 f"--workdir={tmp_path / 'fresh'}"),
           launch(*common, "--steps=2", f"--strategy=plan:{path}",
                  f"--workdir={tmp_path / 'loaded'}")]
   for run in runs:
     assert run.returncode == 0, run.stderr[-3000:]
   for a, b in zip(metrics(tmp_path / "fresh"), metrics(tmp_path / "loaded")):
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert 0 < a["eval_loss"] < 8 and "eval_loss" not in b  # fresh synthetic draws
   # The plan of another program is refused before anything is allocated or written.
   other = launch(f"--config={TINY}", "--config.model.d_model=128", "--steps=2",
                  f"--strategy=plan:{path}", f"--workdir={tmp_path / 'other'}")

@@ -451,8 +451,10 @@ def train(settings: Settings) -> int:
   """Checks the devices and the workdir, then plans (and trains, unless --plan_only)."""
   jax = start_jax(settings)
   # After start_jax: the batch spec runs jax, which must not start before its device flags.
-  settings = dataclasses.replace(settings, data=open_data(settings.config, settings.model,
-                                                          settings.batch_size))
+  # A plan reads no data: --plan_only leaves the file alone (it may be on another machine).
+  if not _PLAN_ONLY.value:
+    settings = dataclasses.replace(settings, data=open_data(settings.config, settings.model,
+                                                            settings.batch_size))
   num_devices = math.prod(settings.mesh_axes.values())
   mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
   if not _PLAN_ONLY.value and num_devices > jax.device_count():

@@ -7,8 +7,14 @@ override (`--config.model.num_layer=4`) is an error rather than a silent no-op:
 - `model`: every field of that size's config dataclass; override any of them.
 - `batch_size`, `steps`, `learning_rate`, `weight_decay`, `seed`: training.
 - `mesh`: default `--mesh`, axis:size pairs.
-- `data`: "learnable" (a pattern the loss visibly learns) or "random" (the zoo's
-  uniform batches: nothing to learn).
+- `data`: "learnable" (a pattern the loss visibly learns), "random" (the zoo's
+  uniform batches: nothing to learn), "tokens:PATH" (a token file, see
+  tapas_jax/models/data.py; scripts/prepare_data.py writes one from text) or
+  "images:IMAGES.npy,LABELS.npy".
+- `token_dtype`: uint16 or uint32, the ids of a raw token file (a .npy says its own).
+- `eval_every`, `eval_steps`: every `eval_every` steps (0: never) and at the last, the
+  mean loss of `eval_steps` held-out batches (the end of a data file, held out of
+  training; fresh draws of synthetic data).
 - `checkpoint_every`: steps between orbax checkpoints (the last step always saves).
 """
 
@@ -42,5 +48,8 @@ def make(family: str, size: str, *, batch_size: int, steps: int = 10,
   config.seed = 0
   config.mesh = mesh
   config.data = "learnable"
+  config.token_dtype = "uint16"
+  config.eval_every = 0
+  config.eval_steps = 1
   config.checkpoint_every = 100
   return config

@@ -10,9 +10,21 @@ Usage:
       --device=tpu-v5p --plan_only --workdir=/tmp/plan175b   # no devices needed
   python scripts/train.py ... --coordinator_address=host0:1234 --num_processes=4 \\
       --process_id=0                                         # one line per host
+  python scripts/prepare_data.py README.md /tmp/readme.bin   # text -> byte tokens
+  python scripts/train.py --config=configs/gpt2.py:tiny --config.data=tokens:/tmp/readme.bin \\
+      --config.eval_every=10 --config.eval_steps=2 --steps=100
 
 Configs are `ml_collections` files (`configs/<family>.py:<size>`, see configs/base.py),
 locked: override any field as `--config.model.num_layers=4`, `--config.learning_rate=1e-2`.
+
+Data (`--config.data`): `learnable` (a synthetic pattern the loss visibly learns),
+`random` (uniform: nothing to learn), `tokens:PATH` (a token file: raw uint16 ids as
+nanoGPT writes them, `--config.token_dtype=uint32` for wider ones, or a `.npy` of ids;
+scripts/prepare_data.py writes one from text) or `images:IMAGES.npy,LABELS.npy`. Files
+are read through grain (tapas_jax/models/data.py), shuffled with the seed; each process
+reads only the rows of the global batch its devices hold. `--config.eval_every=N` holds
+out the last `--config.eval_steps` batches of the file and reports their loss every N
+steps (and at the last); on synthetic data it draws fresh batches.
 
 `--compare` prints the plan beside data parallel, FSDP and Megatron (predicted, and what
 XLA compiles of each); `--batch_axes=any` lets the search put the batch on any axis.
@@ -20,14 +32,18 @@ XLA compiles of each); `--batch_axes=any` lets the search put the batch on any a
 The workdir gets `plan.json` (`tapas.Plan.load` reads it; `--strategy=plan:PATH` trains
 with it) and `plan.txt` (its summary), `config.json`,
 `metrics.jsonl` (one JSON object per step: step, loss, step_s, tokens_per_s or
-images_per_s, mfu) and orbax checkpoints under `checkpoints/`, restored with the plan's
-shardings: run again with more `--steps` to continue. On CPU the launcher makes
-`--host_devices` fake devices (unless XLA_FLAGS already sets a count). With several
-processes only process 0 prints and writes files (checkpoints are written by all).
+images_per_s, mfu, and eval_loss where evaluated) and orbax checkpoints under
+`checkpoints/` (the train state, and a data file's read position), restored with the
+plan's shardings: run again with more `--steps` to continue where the data left off.
+On CPU the launcher makes `--host_devices` fake devices (unless XLA_FLAGS already sets a
+count). With several processes only process 0 prints and writes files (checkpoints are
+written by all).
 
 Bad input (a malformed mesh, unknown config key, size, model or strategy, an unreadable
 plan file, a non-positive step count, an unwritable workdir, a model that will not fit
-the host) is refused with one line on stderr and exit status 2, before anything is
+the host; a data file that is missing or unreadable, not a whole number of tokens, holds
+ids at or above the model's vocab, is shorter than one global batch, or is too short for
+its held-out split) is refused with one line on stderr and exit status 2, before anything is
 written.
 """
 
@@ -181,6 +197,22 @@ def build_model(config):
                              weight_decay=config.weight_decay)
 
 
+def open_data(config, model, batch_size: int):
+  """The dataset `--config.data` names (None for synthetic data), checked against the model."""
+  if config.data in ("learnable", "random"):
+    return None
+  from tapas_jax.models import data  # noqa: PLC0415 - after sys.path is set
+  if not config.data.startswith(("tokens:", "images:")):
+    raise LaunchError(f"--config.data={config.data}: choose learnable, random, tokens:PATH "
+                      "or images:IMAGES.npy,LABELS.npy")
+  num_eval = config.eval_steps * batch_size if config.eval_every else 0
+  try:
+    return data.open_data(config.data, model.batch_spec(batch_size), num_eval=num_eval,
+                          model_config=model.config, token_dtype=config.token_dtype)
+  except data.DataError as e:
+    raise LaunchError(f"--config.data: {e}") from None  # the message names the file
+
+
 def host_memory_bytes() -> float:
   """Memory this host can still hand out (MemAvailable), else its physical memory."""
   try:
@@ -255,6 +287,9 @@ class Settings:
   batch_size: int
   seed: int
   workdir: str | None
+  data: object  # a tapas_jax.models.data.Dataset (`open_data`, once jax runs), or None
+  eval_every: int
+  eval_steps: int
 
 
 def read_settings() -> Settings:
@@ -270,8 +305,10 @@ def read_settings() -> Settings:
     raise LaunchError(f"--steps={steps}: the step count must be positive")
   if batch_size < 1:
     raise LaunchError(f"--batch_size={batch_size}: the batch size must be positive")
-  if config.data not in ("learnable", "random"):
-    raise LaunchError(f"--config.data={config.data}: choose learnable or random")
+  if config.eval_every < 0 or config.eval_steps < 1:
+    raise LaunchError(f"--config.eval_every={config.eval_every}, --config.eval_steps="
+                      f"{config.eval_steps}: evaluate every N >= 0 steps (0: never) on "
+                      "eval_steps >= 1 batches")
   mesh_axes = parse_mesh(_MESH.value or config.mesh)
   strategy, plan_path = parse_strategy(_STRATEGY.value)
   budget = parse_bytes(_MEMORY_BUDGET.value) if _MEMORY_BUDGET.value else None
@@ -305,14 +342,16 @@ def read_settings() -> Settings:
       cost.get_profile(_DEVICE.value)
     except ValueError as e:
       raise LaunchError(f"--device: {e}") from None
-  return Settings(config=config, model=build_model(config), mesh_axes=mesh_axes,
+  model = build_model(config)
+  return Settings(config=config, model=model, mesh_axes=mesh_axes,
                   strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
                   memory_budget=budget, batch_axes=batch_axes,
                   sequence_parallel=_SEQUENCE_PARALLEL.value, verify=_VERIFY.value,
                   steps=steps,
                   batch_size=batch_size,
                   seed=config.seed if _SEED.value is None else _SEED.value,
-                  workdir=_WORKDIR.value)
+                  workdir=_WORKDIR.value, data=None,
+                  eval_every=config.eval_every, eval_steps=config.eval_steps)
 
 
 def start_jax(settings: Settings):
@@ -430,6 +469,11 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 def train(settings: Settings) -> int:
   """Checks the devices and the workdir, then plans (and trains, unless --plan_only)."""
   jax = start_jax(settings)
+  # After start_jax: the batch spec runs jax, which must not start before its device flags.
+  # A plan reads no data: --plan_only leaves the file alone (it may be on another machine).
+  if not _PLAN_ONLY.value:
+    settings = dataclasses.replace(settings, data=open_data(settings.config, settings.model,
+                                                            settings.batch_size))
   num_devices = math.prod(settings.mesh_axes.values())
   mesh_text = ",".join(f"{k}:{v}" for k, v in settings.mesh_axes.items())
   if not _PLAN_ONLY.value and num_devices > jax.device_count():
@@ -458,13 +502,14 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   out = Reporter(jax, workdir)
   config_json = json.dumps({"family": config.family, "size": config.size,
                             "model": config.model.to_dict(),
-                            "batch_size": settings.batch_size}, sort_keys=True, default=str)
+                            "batch_size": settings.batch_size, "data": config.data},
+                           sort_keys=True, default=str)
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints") if workdir else None
   if ckpt_dir and os.path.isdir(ckpt_dir) and not _PLAN_ONLY.value:
     old = os.path.join(workdir, "config.json")
     if os.path.exists(old) and open(old).read() != config_json:
-      raise LaunchError(f"--workdir={workdir} holds checkpoints of another model or batch "
-                        f"size ({old}); use a fresh workdir")
+      raise LaunchError(f"--workdir={workdir} holds checkpoints of another model, batch "
+                        f"size or data ({old}); use a fresh workdir")
 
   out.say(f"model {what} ({model.param_count():,} params) {model.config}")
   out.say(f"mesh {mesh_text}, strategy {_STRATEGY.value}, "
@@ -531,6 +576,69 @@ def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
   return compiled
 
 
+_EVAL_STREAM = 2**31 - 1  # synthetic eval batches fold this in; train steps fold in k < it
+
+
+class Inputs:
+  """The batches of a run in the plan's batch sharding: train, eval, and their position.
+
+  Synthetic data draws step k's batch from the seed and k. A data file is read through
+  grain, this process reading only the rows its devices hold; the read position goes into
+  each checkpoint beside the state (`save_args`) and comes back with it (`restore`).
+  """
+
+  def __init__(self, jax, settings: Settings, batch_spec, batch_sharding, out: Reporter):
+    from tapas_jax.models import data, synthetic  # noqa: PLC0415
+    self.jax, self.settings, self.spec, self.sharding = jax, settings, batch_spec, batch_sharding
+    self.seed_key = jax.random.key(settings.seed)
+    self.data = data if settings.data is not None else None
+    if self.data is None:
+      make = synthetic.learnable_batch if settings.config.data == "learnable" else \
+          (lambda m, k, n: m.make_batch(k, n))
+      self._make = jax.jit(lambda k: make(settings.model, k, settings.batch_size),
+                           out_shardings=batch_sharding)
+      return
+    self.rows = data.process_rows(batch_sharding, batch_spec)
+    self._train = iter(self._loader(settings.data.train, shuffle=True))
+    out.say(f"data {settings.data.name}: {settings.data.num_train:,} training and "
+            f"{settings.data.num_eval:,} held-out examples; process 0 reads "
+            f"{self.rows.size} of the {settings.batch_size} rows of each global batch")
+
+  def _loader(self, source, shuffle: bool):
+    return self.data.loader(source, batch_size=self.settings.batch_size, rows=self.rows,
+                            seed=self.settings.seed, shuffle=shuffle)
+
+  def _place(self, local):
+    return self.data.global_batch(local, self.sharding, self.spec, self.rows)
+
+  def train_batch(self, k: int):
+    """The batch of step `k` (from 0); a data file's is the next one it reads."""
+    if self.data is None:
+      return self._make(self.jax.random.fold_in(self.seed_key, k))
+    return self._place(next(self._train))
+
+  def eval_batches(self):
+    """The held-out batches (the same ones at every evaluation)."""
+    if self.data is None:
+      key = self.jax.random.fold_in(self.seed_key, _EVAL_STREAM)
+      return (self._make(self.jax.random.fold_in(key, j))
+              for j in range(self.settings.eval_steps))
+    return (self._place(b) for b in self._loader(self.settings.data.eval, shuffle=False))
+
+  def save_args(self, ocp) -> dict:
+    if self.data is None:
+      return {}
+    return {"data": ocp.args.JsonSave({"position": self._train.get_state(),
+                                       "file": self.settings.data.name})}
+
+  def restore_args(self, ocp) -> dict:
+    return {} if self.data is None else {"data": ocp.args.JsonRestore()}
+
+  def restore(self, restored) -> None:
+    if self.data is not None:
+      self._train.set_state(restored["data"]["position"])
+
+
 def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
         ckpt_dir: str | None) -> int:
   """Initialises or restores the state with the plan's shardings, compiles and trains."""
@@ -538,16 +646,11 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
   import orbax.checkpoint as ocp  # noqa: PLC0415
 
   from tapas_jax import cost  # noqa: PLC0415
-  from tapas_jax.models import synthetic  # noqa: PLC0415
 
   train_step, state_spec, batch_spec = program
   model, config, workdir, device = settings.model, settings.config, settings.workdir, plan.device
   state_sharding, batch_sharding = shardings(jax, plan, mesh)
-  make = synthetic.learnable_batch if config.data == "learnable" else \
-      (lambda m, k, n: m.make_batch(k, n))
-  make_batch = jax.jit(lambda k: make(model, k, settings.batch_size),
-                       out_shardings=batch_sharding)
-  seed_key = jax.random.key(settings.seed)
+  inputs = Inputs(jax, settings, batch_spec, batch_sharding, out)
 
   ckpt = None
   if ckpt_dir:
@@ -558,17 +661,22 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
   if latest is not None:
     target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                           state_spec, state_sharding)
-    state = ckpt.restore(latest, args=ocp.args.StandardRestore(target))
+    restored = ckpt.restore(latest, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), **inputs.restore_args(ocp)))
+    state = restored["state"]
+    inputs.restore(restored)
     out.say(f"stage restore step {latest} from {ckpt_dir} {time.perf_counter() - start:.2f}s")
   else:
-    state = jax.jit(model.init, out_shardings=state_sharding)(seed_key)
+    state = jax.jit(model.init, out_shardings=state_sharding)(inputs.seed_key)
     out.say(f"stage init {time.perf_counter() - start:.2f}s")
   first = int(state.step)
   if first >= settings.steps:
     out.say(f"already at step {first} >= --steps={settings.steps}; nothing to do")
     return 0
 
-  batch = make_batch(jax.random.fold_in(seed_key, first))
+  loss_fn = model.loss_fn()
+  eval_loss = jax.jit(lambda st, b: loss_fn(st.params, st.model_state, b)[0])
+  batch = inputs.train_batch(first)
   items, unit = batch_items(batch_spec)
   flops = model_flops(jax, train_step, state_spec, batch_spec)
   dtype = str(getattr(model.config, "dtype", "float32"))
@@ -580,7 +688,7 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
   try:
     for k in range(first, settings.steps):
       if k > first:
-        batch = make_batch(jax.random.fold_in(seed_key, k))
+        batch = inputs.train_batch(k)
       start = time.perf_counter()
       state, metrics = compiled(state, batch)
       loss = float(metrics["loss"])
@@ -588,17 +696,24 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
       step = k + 1
       row = {"step": step, "loss": loss, "step_s": step_s,
              f"{unit}_per_s": items / step_s, "mfu": flops / step_s / peak}
+      evaluated = ""
+      if settings.eval_every and (step % settings.eval_every == 0 or step == settings.steps):
+        losses = [float(eval_loss(state, b)) for b in inputs.eval_batches()]
+        row["eval_loss"] = sum(losses) / len(losses)
+        evaluated = f"  eval loss {row['eval_loss']:.4f}"
       if log:
         log.write(json.dumps(row) + "\n")
         log.flush()
       label = "first step" if k == first else "step"
-      out.say(f"{progress(step, settings.steps)} {label} loss {loss:.4f}  {step_s:.3f}s  "
-              f"{row[f'{unit}_per_s']:,.0f} {unit}/s  MFU {100 * row['mfu']:.3f}% of {device}")
+      out.say(f"{progress(step, settings.steps)} {label} loss {loss:.4f}{evaluated}  "
+              f"{step_s:.3f}s  {row[f'{unit}_per_s']:,.0f} {unit}/s  "
+              f"MFU {100 * row['mfu']:.3f}% of {device}")
       if not np.isfinite(loss):
         out.say("loss is not finite; stopping")
         return 1
       if ckpt and (step % config.checkpoint_every == 0 or step == settings.steps):
-        ckpt.save(step, args=ocp.args.StandardSave(state))
+        ckpt.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                **inputs.save_args(ocp)))
   finally:
     if log:
       log.close()

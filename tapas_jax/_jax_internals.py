@@ -2,7 +2,8 @@
 
 Jaxpr data structures are semi-public (`jax.extend.core`) and move between
 releases; the rest of the package talks to them only through these helpers.
-Supported: the current jax release line and the one before (0.9 - 0.11).
+Supported: the current jax release line and the one before (0.12 and 0.11), and the
+oldest line tested (0.10, the newest jax on Python 3.11).
 
 Equation params that are JAX objects (gather, scatter and conv dimension numbers)
 or whose names move between releases (scan's consts and carries) are parsed here

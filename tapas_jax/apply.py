@@ -50,8 +50,7 @@ def _mesh_for(plan: planlib.Plan, mesh: Any, where: str) -> jax.sharding.Mesh:
     raise options.OptionError(f"{where}: the first argument must be a tapas Plan (from "
                               f"tapas.search or Plan.load), got {type(plan).__name__}.")
   if mesh is None:
-    get_mesh = getattr(jax.sharding, "get_mesh", None)
-    current = get_mesh() if get_mesh is not None else None
+    current = jax.sharding.get_mesh()
     if current is None or getattr(current, "empty", True) or not hasattr(current, "devices"):
       return make_mesh(dict(plan.mesh_axes))
     mesh, source = current, "the mesh set by jax.set_mesh"

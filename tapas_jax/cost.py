@@ -10,12 +10,12 @@ Conventions used throughout:
   traffic one device pushes onto its links under ring accounting.
 * Bandwidths are **unidirectional** (bytes/s one device can send while it also
   receives at the same rate), which is what ring accounting needs.
-* Time of a collective = α · steps + bytes / bandwidth, where a collective over
-  several mesh axes runs as one flat ring over all of them and so is paced by
-  the slowest link among those axes (and pays the largest α). This is
-  conservative: a hierarchical schedule, or a TPU torus using the links of
-  several dimensions at once, does better. `reshard` recovers most of the
-  hierarchical benefit by itself, because it may issue one collective per axis.
+* Time of a collective = α · steps + bytes / bandwidth. A collective over several
+  mesh axes is one collective, as XLA emits it (a value partial over data and
+  model is all-reduced once over both): it sends the flat ring's bytes, and is
+  timed as one ring per axis, fastest link first, each axis on what the one
+  before it left, as TPU per-dimension rings and NCCL's hierarchical algorithms
+  run it.
 
 Example:
   >>> from tapas_jax import cost

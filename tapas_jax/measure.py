@@ -295,9 +295,7 @@ def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True
       reduce-scatters).
   """
   mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-    cost = cost[0] if cost else {}
+  cost = compiled.cost_analysis()  # a dict on every jax line supported (0.10 - 0.12)
   return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices,
                                               reduce_scatter_creator),
                   argument_bytes=int(mem.argument_size_in_bytes),

@@ -13,7 +13,8 @@ MODULES = ["tapas_jax", "tapas_jax._jax_internals", "tapas_jax.trace", "tapas_ja
            "tapas_jax.solver.fusion", "tapas_jax.solver.remat",
            "tapas_jax.baselines", "tapas_jax.apply", "tapas_jax.measure", "tapas_jax.verify",
            "tapas_jax.shard", "tapas_jax.shard_flax",
-           "tapas_jax.models", "tapas_jax.models.training", "tapas_jax.models.synthetic"]
+           "tapas_jax.models", "tapas_jax.models.training", "tapas_jax.models.synthetic",
+           "tapas_jax.models.data"]
 
 
 @pytest.mark.parametrize("name", MODULES)

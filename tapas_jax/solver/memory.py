@@ -246,16 +246,14 @@ def activations(problem: Problem) -> Activations:
 
   own: dict[int, int] = {}  # value -> its entry as made
   for j, op in enumerate(top):
-    rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
-    if rule is None or op.index not in live:
+    if op.index not in live:
       continue
-    for slot, v in enumerate(op.outputs):
+    for v in op.outputs:
       t = g.types[v]
-      if not t.shape or (problem.cv(v), 0) not in problem.value_class:
+      made = _made(problem, op, v)
+      if not t.shape or made is None:
         continue
       readers = [c for c in g.consumers.get(v, ()) if c in live]
-      made = tuple(None if f is None else problem.vclass(v, d)
-                   for d, f in enumerate(rule.outputs[slot]))
       whole = not (v in fused or v in carried)
       if problem.cv(v) in problem.free_values and v not in outputs:
         whole = False  # a constant (a causal mask): XLA builds it inside its readers
@@ -410,10 +408,19 @@ def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:
 
 def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:
   """Classes of v's dims as its producer makes it (None in a dim: made whole); None
-  where v has no classes."""
-  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
-  if rule is None or (problem.cv(v), 0) not in problem.value_class:
+  where v has no classes.
+
+  A loop or branch (an op with sub-regions, no rule of its own) makes each output in
+  its own classes, which the view ties to its body's: a scan's stacked outputs (the
+  residuals its backward pass reads, one slice per iteration) are top-level values
+  like any other."""
+  if (problem.cv(v), 0) not in problem.value_class:
     return None
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  if rule is None:
+    if not op.subregions:
+      return None
+    return tuple(problem.vclass(v, d) for d in range(len(problem.graph.types[v].shape)))
   return tuple(None if f is None else problem.vclass(v, d)
                for d, f in enumerate(rule.outputs[op.outputs.index(v)]))
 

@@ -33,14 +33,14 @@ Example:
   >>> from tapas_jax.solver import remat
   >>> def net(ws, x):
   ...   for w in ws:
-  ...     x = jnp.tanh(x @ w) + x
+  ...     x = jnp.sin(x @ w) + x
   ...   return jnp.sum(x)
   >>> g = trace.trace(jax.grad(net), [jax.ShapeDtypeStruct((8, 8), jnp.float32)] * 3,
   ...                 jax.ShapeDtypeStruct((2, 8), jnp.float32))
   >>> f = fold.fold(g)
   >>> r = remat.instance_remat(g, f.instances[1].ops, "nothing_saveable")
   >>> [g.ops[i].primitive for i in r.recompute]
-  ['dot_general', 'tanh', 'sub']
+  ['dot_general', 'cos']
 """
 
 from __future__ import annotations

@@ -57,8 +57,12 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
                      f"known: {', '.join(sorted(MEGATRON_SPLITS))}")
   model_axes = tuple(a for a in problem.mesh.axis_names if a not in batch_axes)
   choice = _batch_choice(problem, batch_axes)
+  stacked = solver.experts.stacked_dims(problem)
   for i in problem.graph.inputs:
     for pattern, dim in MEGATRON_SPLITS[family]:
+      # A stacked parameter (scan_layers=True) has the layer dim in front of the dims
+      # MEGATRON_SPLITS names.
+      dim += (problem.cv(i.value), 0) in stacked
       if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
         for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim)}:
           choice[c] = _widest(problem, c, model_axes)  # stored as it is used

@@ -27,8 +27,9 @@ import math
 
 from tapas_jax import cost as costlib
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.views import scan_bindings
 
-__all__ = ["batch_choice", "fsdp", "incumbents", "widest"]
+__all__ = ["batch_choice", "fsdp", "incumbents", "stacked_dims", "widest"]
 
 
 def widest(problem: Problem, c: int, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -46,34 +47,78 @@ def batch_choice(problem: Problem, axes: tuple[str, ...]) -> dict[int, tuple[str
   return {c.index: widest(problem, c.index, axes) for c in problem.classes if c.batch}
 
 
+def stacked_dims(problem: Problem) -> frozenset[tuple[int, int]]:
+  """(input value, dim) of the layer dims of stacked parameters: the leading dim a scan
+  slices per iteration (`nn.scan`, `scan_layers=True`). Expert layouts leave it whole:
+  split, every iteration's slice would be gathered from the devices that hold it.
+
+  The stack's optimizer state and gradients are stacked alike: found through the state
+  update, which is pointwise (dim 0 is dim 0 on every operand).
+  """
+  g = problem.graph
+  out = set()
+  for loop in problem.view.loops:
+    for outer, _, shift in scan_bindings(g, g.ops[loop]):
+      if shift:
+        out.add((problem.cv(outer), 0))
+  update = [[(problem.cv(v), 0) for v in (*g.ops[i].inputs, *g.ops[i].outputs)
+             if v not in g.literals and g.types[v].shape]
+            for i in sorted(problem.update_ops)]
+  grown = bool(out)
+  while grown:  # a chain of update ops can meet the stack at its end (mu * b1 + g)
+    grown = False
+    for keys in update:
+      if not out.issuperset(keys) and not out.isdisjoint(keys):
+        out.update(keys)
+        grown = True
+  return frozenset(out)
+
+
+def _compute_classes(problem: Problem) -> frozenset[int]:
+  """Classes the compute (every op of the view outside the state update) splits."""
+  return frozenset(c for i, cs in problem.factor_class.items()
+                   if i not in problem.update_ops for c in cs if c >= 0)
+
+
 def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costlib.Layout]]:
   """Every state input stored split over all axes on its largest divisible dim.
 
   Where the search sees the input apart from its compute (parameters and optimizer
-  state under a state update), that is a choice of its storage class: gradients are
-  reduce-scattered into it and parameters gathered for use. Other inputs get a fixed
-  layout, gathered where they are read.
+  state under a state update, on classes of their own), that is a choice of its storage
+  class: gradients are reduce-scattered into it and parameters gathered for use. Other
+  inputs get a fixed layout, gathered where they are read: those whose classes are the
+  compute's (a scanned stack's parameters and, through its update, their optimizer
+  state), so that storing them split does not split the compute. A stacked parameter's
+  layer dim is never split (`stacked_dims`), and no layout names a mesh axis twice.
 
   Returns:
     (class -> mesh axes of the storage classes, input value -> fixed layout of the
     others).
   """
-  choice, layouts = {}, {}
   axes = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
   n = math.prod(problem.mesh.size(a) for a in axes)
+  stacked, compute = stacked_dims(problem), _compute_classes(problem)
+  picked: dict[int, tuple[int, int]] = {}  # state input -> (dim, class) stored split
   for i in problem.graph.inputs:
     shape = problem.graph.types[i.value].shape
     if i.value in problem.batch_inputs or not shape:
       continue
-    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
-    if not dims:
-      continue
-    c = problem.vclass(i.value, dims[0])
-    if problem.stored_apart(i.value) and axes in problem.domains[c]:
-      choice.setdefault(c, axes)
+    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
+            if shape[d] % n == 0 and (problem.cv(i.value), d) not in stacked]
+    if dims:
+      picked[i.value] = (dims[0], problem.vclass(i.value, dims[0]))
+  # A class may store one input's dim and be another dim of another input (a square
+  # kernel's two dims): stored split, that input would name the axes twice.
+  twice = {problem.vclass(v, d) for v, (k, _) in picked.items()
+           for d in range(len(problem.graph.types[v].shape)) if d != k}
+  choice, layouts = {}, {}
+  for v, (k, c) in picked.items():
+    if (problem.stored_apart(v) and c not in compute and c not in twice
+        and axes in problem.domains[c]):
+      choice[c] = axes
     else:
-      layouts[i.value] = costlib.Layout(tuple(axes if d == dims[0] else ()
-                                              for d in range(len(shape))))
+      layouts[v] = costlib.Layout(tuple(axes if d == k else ()
+                                        for d in range(len(problem.graph.types[v].shape))))
   return choice, layouts
 
 

@@ -125,12 +125,13 @@ def best_of(problem: Problem, acts: Activations, result: BudgetResult,
                           if result.fits and result.assignment is not None else math.inf)
   leanest = None
   for assignment in incumbents:
+    step_s = evaluate_tables(tables, assignment)[0]
+    if best.fits and step_s >= best_s:
+      continue  # the peak is the dear part: found only for an incumbent that could win
     used, _, choice = memory_used(problem, acts, memory, assignment)
     if used <= budget:
-      step_s = evaluate_tables(tables, assignment)[0]
-      if step_s < best_s:
-        best, best_s = BudgetResult(dict(assignment), fits=True, used_bytes=used,
-                                    status=result.status), step_s
+      best, best_s = BudgetResult(dict(assignment), fits=True, used_bytes=used,
+                                  status=result.status), step_s
     elif not best.fits and used < best.used_bytes and (leanest is None or used < leanest[0]):
       leanest = (used, assignment, choice)
   if best.fits or leanest is None:

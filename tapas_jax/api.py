@@ -276,7 +276,14 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
     except solverlib.InfeasibleBudgetError as e:
       notes.append(f"no plan is predicted within {fmt(budget)} (the leanest "
                    f"{fmt(e.leanest_bytes)})")
-      break
+      if not e.leanest_bytes < predicted:
+        break
+      # The compiler may still take the leanest plan the model knows: try it.
+      budget = e.leanest_bytes * (1 + 1e-9)
+      try:
+        plan = solve(budget)
+      except solverlib.InfeasibleBudgetError:
+        break
   leanest = min(rounds, key=lambda r: r[2])
   raise solverlib.InfeasibleBudgetError(
       f"search(verify={topology!r}): no plan compiled within {fmt(limit)} per device "

@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -171,8 +172,9 @@ class Folded:
     for u in self.unique_layers:
       names = [self.instances[i].name for i in u.instances]
       shown = ", ".join(names[:3]) + (f", ... {names[-1]}" if len(names) > 3 else "")
-      lines.append(f"  layer {u.index} {u.name!r}: {u.num_ops} ops x {u.repeats} "
-                   f"[{shown}]")
+      runs = f", {u.repeats} runs (counted loops)" if u.repeats != len(u.instances) else ""
+      lines.append(f"  layer {u.index} {u.name!r}: {u.num_ops} ops x {len(u.instances)} "
+                   f"instance(s){runs} [{shown}]")
     glue = sorted(self.glue, key=lambda s: -len(s.ops))
     if glue:
       lines.append("  glue: " + ", ".join(f"{s.name or '(top)'} ({len(s.ops)})"
@@ -187,18 +189,39 @@ _WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
 
 
 def scope_of(name_stack: str) -> tuple[str, ...]:
-  """Module path of a name stack, transforms stripped.
+  """Module path of a name stack, transforms and JAX's own scopes stripped.
+
+  The backward of a rematerialised block (`nn.remat`, `jax.checkpoint`) sits under its
+  call's stack twice, once transposed ("transpose(jvp(GPT))/jvp(GPT)/Block_1"), and
+  its recomputed forward also under "rematted_computation": both are the block's path.
 
   >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
   ('GPT', 'Block_1', 'MLP', 'fc2')
+  >>> scope_of("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/Block_1/MLP")
+  ('GPT', 'Block_1', 'MLP')
   """
-  parts = []
+  parts, wrapped = [], []
   for comp in name_stack.split("/"):
+    was_wrapped = False
     while (m := _WRAPPER.match(comp)) is not None:
-      comp = m.group(1)
-    if comp:
+      comp, was_wrapped = m.group(1), True
+    if comp and comp not in jx.GENERATED_SCOPES:
       parts.append(comp)
-  return tuple(parts)
+      wrapped.append(was_wrapped)
+  return tuple(_drop_reentry(parts, wrapped))
+
+
+def _drop_reentry(parts: list[str], wrapped: list[bool]) -> list[str]:
+  """Drops a copy of the path's own prefix that restarts at a transformed component
+  (a transform wrapper mid-stack only comes from a call re-entering its stack)."""
+  k = 1
+  while 2 * k <= len(parts):
+    if wrapped[k] and parts[k:2 * k] == parts[:k]:
+      del parts[k:2 * k], wrapped[k:2 * k]
+      k = 1
+    else:
+      k += 1
+  return parts
 
 
 class _ScopeTree:
@@ -285,6 +308,18 @@ def _loop_trip(graph: Graph, op: Op) -> int:
         1 for o in graph.ops if o.region == r) >= _MIN_PERIOD:
       return region.trip_count
   return 0
+
+
+def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
+  """Iterations of an instance that is a scanned stack of layers, else 1.
+
+  A stack's loops hold all its contractions; a block that merely contains a loop
+  (chunked attention, a `fori_loop`) runs once per instance, however many times the
+  loop inside it turns.
+  """
+  if any(graph.ops[i].primitive in _CONTRACTIONS for i in ops):
+    return 1
+  return max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
 
 
 def _input_labels(graph: Graph, scopes: dict[tuple[str, ...], int]) -> dict[int, int]:
@@ -671,7 +706,7 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
     fp = subgraph_fingerprint([graph.ops[i] for i in ops])
     by_fp.setdefault(fp, []).append(pos)
     inputs, outputs = _boundary_values(graph, ops)
-    trip = max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
+    trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 
   fp_index = {fp: n for n, fp in enumerate(by_fp)}

@@ -5,7 +5,8 @@ Each style is a function `(num_layers) -> Program`: a pure `step(state, batch) -
 The styles are what users bring, not the zoo's house style:
 
 * linen with `nn.remat` and `checkpoint_name` under a names policy (MaxText style),
-  with `dots_saveable`, and with remat inside `nn.scan`;
+  with `dots_saveable`, offloading named values to host, on a submodule only, and
+  inside `nn.scan`;
 * nnx with `nnx.remat` (no name stacks: nnx modules push none);
 * an equinox-style pytree model in plain JAX: dataclass modules registered as
   pytrees, a filter-like split of arrays from static fields, rotary embeddings with
@@ -101,6 +102,28 @@ class _LinenBlock(nn.Module):
     return x + nn.Dense(D, name="fc2")(h), None
 
 
+class _LinenMlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(FF, name="fc1")(nn.LayerNorm(name="ln2")(x))
+    return nn.Dense(D, name="fc2")(jax.nn.gelu(h))
+
+
+class _LinenBlockInnerRemat(nn.Module):
+  """Only the MLP rematerialised (an offloading-style policy on part of a block)."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = nn.LayerNorm(name="ln1")(x)
+    q, k, v = (nn.DenseGeneral((HEADS, D // HEADS), name=n)(h) for n in ("query", "key",
+                                                                          "value"))
+    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D // HEADS), axis=-1)
+    x = x + nn.DenseGeneral(D, axis=(-2, -1), name="out")(
+        jnp.einsum("bhqk,bkhd->bqhd", w, v))
+    mlp = nn.remat(_LinenMlp, policy=jax.checkpoint_policies.dots_saveable)
+    return x + mlp(name="MLP")(x), None
+
+
 class _LinenLM(nn.Module):
   num_layers: int
   block: Any
@@ -139,7 +162,12 @@ linen_remat = _linen("linen_remat", nn.remat(_LinenBlock))
 linen_remat_names = _linen("linen_remat_names", nn.remat(_LinenBlock, policy=_NAMES_POLICY))
 linen_remat_dots = _linen("linen_remat_dots", nn.remat(
     _LinenBlock, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable))
+linen_remat_offload = _linen("linen_remat_offload", nn.remat(
+    _LinenBlock, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["attention_out"], names_which_can_be_offloaded=["mlp_hidden"],
+        offload_src="device", offload_dst="pinned_host")))
 linen_scan_remat = _linen("linen_scan_remat", nn.remat(_LinenBlock), scan=True)
+linen_inner_remat = _linen("linen_inner_remat", _LinenBlockInnerRemat)
 
 
 # -- flax nnx with remat -------------------------------------------------------------
@@ -500,7 +528,9 @@ STYLES: dict[str, Callable[[int], Program]] = {
     "linen_remat": linen_remat,
     "linen_remat_names": linen_remat_names,
     "linen_remat_dots": linen_remat_dots,
+    "linen_remat_offload": linen_remat_offload,
     "linen_scan_remat": linen_scan_remat,
+    "linen_inner_remat": linen_inner_remat,
     "nnx_remat": nnx_remat,
     "pytree_vit": pytree_vit,
     "keras_transformer": keras_transformer,

@@ -6,13 +6,15 @@ its forward, backward and optimizer-update ops (ops nested in loop bodies travel
 the loop op that owns them). Two instances are the same unique layer when their
 canonical subgraphs hash the same (`trace.subgraph_fingerprint`).
 
-Two ways to find instances, tried in order:
+Two ways to find instances:
 1. **names**: flax name stacks (`jvp(GPT)/Block_3/MLP`, `transpose(jvp(GPT))/Block_3`)
    give a scope tree; siblings whose subtrees hash the same are instances. Levels with
    no repeats are descended (T5: `encoder` -> `encoder/layers_i`).
 2. **structure**: no names needed. Tandem repeats in the sequence of op signatures give
    runs of identical units (forward blocks, backward blocks, optimizer phases); units of
-   later runs join the instance they share most values with.
+   later runs join the instance they share most values with. Used when names find no
+   repeats, and when names leave much of the program outside layers (per-op names,
+   Keras style) and structure folds it clearly better.
 Ops still unassigned (optimizer updates under names; glue) take the segment of the
 values they read or feed, then fall back to glue. A counted loop (`nn.scan` over
 layers) is one instance whose unique layer repeats `trip_count` times.
@@ -59,6 +61,10 @@ _MAX_PHASES = 64
 _MIN_COVERAGE = 0.02
 # How many candidate periods the structural detector checks.
 _MAX_PERIODS = 256
+# Below this share of ops in layers found by names, structure is tried too, and it
+# takes over when its fold ratio beats the names' by this factor.
+_NAMES_ENOUGH = 0.85
+_TAKEOVER = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,11 +669,26 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   """
   start = time.perf_counter()
   top = graph.region_ops(0)
-  method = "names"
   found = _segment_by_names(graph, top) if use_names else None
   if found is None:
-    method = "structure"
-    found = _segment_by_structure(graph, top)
+    return _finish(graph, top, _segment_by_structure(graph, top), "structure", start)
+  by_names = _finish(graph, top, found, "names", start)
+  if _in_layers(by_names) >= _NAMES_ENOUGH:
+    return by_names
+  # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
+  # repeats of single ops; structure takes over where it folds clearly better.
+  by_structure = _finish(graph, top, _segment_by_structure(graph, top), "structure", start)
+  if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
+    return by_structure
+  return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
+
+
+def _in_layers(folded: Folded) -> float:
+  return sum(len(i.ops) for i in folded.instances) / max(folded.num_ops, 1)
+
+
+def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float) -> Folded:
+  """Instances, unique layers, glue and boundaries from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.

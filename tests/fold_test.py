@@ -1,6 +1,7 @@
 """fold: layer instances, unique layers, glue and boundaries, with and without names."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -67,20 +68,42 @@ def test_zoo_train_steps_fold_by_names(name, overrides, expected):
 
 
 # Every way a block is rematerialised: nn.remat (no policy, names saved, dots saved,
-# names offloaded to host, on a submodule), nnx.remat, jax.checkpoint on a pytree module.
-REMAT_STYLES = ["linen_remat", "linen_remat_names", "linen_remat_dots", "linen_remat_offload",
-                "linen_inner_remat", "nnx_remat", "pytree_vit"]
+# names offloaded to host, on a submodule), nnx.remat, jax.checkpoint on a pytree module;
+# then names that do not delimit layers (Keras numbers every op) and a named CNN.
+FOLDING_STYLES = ["linen_remat", "linen_remat_names", "linen_remat_dots",
+                  "linen_remat_offload", "linen_inner_remat", "nnx_remat", "pytree_vit",
+                  "keras_transformer", "keras_resnet", "cnn_batchnorm"]
+TARGET = {"transformer": 0.85, "cnn": 0.75}  # share of ops in layer instances
 
 
-@pytest.mark.parametrize("style", REMAT_STYLES)
-def test_rematerialised_blocks_fold_whole_at_any_depth(style):
+@pytest.mark.parametrize("style", FOLDING_STYLES)
+def test_styles_fold_to_the_targets_at_any_depth(style):
+  kind = styles.STYLES[style](1).kind
   unique = []
   for layers in (4, 12):
     f = fold(style_graph(style, layers))
     assert len(f.instances) == layers, f.summary()
-    assert in_layers(f) >= 0.85, f.summary()
+    assert in_layers(f) >= TARGET[kind], f.summary()
     unique.append(len(f.unique_layers))
   assert unique[1] <= unique[0], "unique layers grow with depth"
+
+
+@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet"])
+def test_structure_takes_over_from_names_that_number_every_op(style):
+  f = fold(style_graph(style, 4))
+  assert f.method == "structure" and len(f.unique_layers) == 1, f.summary()
+  # An instance is a whole block: all its numbered dense or conv layers, not one of them.
+  per_block = {"keras_transformer": 6, "keras_resnet": 2}[style]
+  for inst in f.instances:
+    numbered = {c for i in inst.ops for c in scope_of(f.graph.ops[i].name_stack)
+                if re.fullmatch(r"(dense|conv2d)(_\d+)?", c)}
+    assert len(numbered) == per_block, (inst.name, sorted(numbered))
+
+
+@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet"])
+def test_structurally_folded_styles_plan_to_the_unsharded_numbers(style):
+  assert fold(style_graph(style, 3)).method == "structure"
+  styles.assert_plan_runs_like_unsharded(styles.STYLES[style](3), {"data": 2, "model": 4})
 
 
 @pytest.mark.parametrize("style", ["linen_remat", "linen_remat_names", "linen_inner_remat"])

@@ -275,7 +275,7 @@ def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
   return scope + common
 
 
-def _segment_by_names(graph: Graph, top: Sequence[Op]):
+def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
   tree = _ScopeTree(graph, top)
   layers: dict[tuple[str, ...], list[int]] = {}
@@ -287,7 +287,8 @@ def _segment_by_names(graph: Graph, top: Sequence[Op]):
 
   def visit(node):
     kids = [node + (c,) for c in tree.children[node]]
-    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]])
+    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]],
+                                   signature=blind)
            for k in kids if _contracts(graph, tree.subtree[k])}
     counts = collections.Counter(fps.values())
     repeated = any(n >= 2 for n in counts.values())
@@ -305,6 +306,29 @@ def _segment_by_names(graph: Graph, top: Sequence[Op]):
   if not layers:
     return None
   return layers, glue
+
+
+# Params that place a slice (or its transpose, a pad) in its operand. Blocks over one
+# stacked parameter (`stacked[i]`) differ only in them: the same computation on another
+# slice, so the same sharding.
+_OFFSET_PARAMS = {"slice": ("start_indices", "limit_indices"), "pad": ("padding_config",)}
+
+def _offset_blind(graph: Graph) -> dict[int, str]:
+  """Op index -> signature blind to where a slice or pad sits (sizes kept), for the
+  slices and pads of `graph`; other ops keep `Op.signature`."""
+  out = {}
+  for op in graph.ops:
+    drop = _OFFSET_PARAMS.get(op.primitive)
+    if drop is None:
+      continue
+    params = [(k, v) for k, v in op.params if k not in drop]
+    if op.primitive == "pad":  # only how much each dim grows, not on which side
+      params.append(("grow", str([(int(lo) + int(hi), int(mid))
+                                  for lo, hi, mid in op.raw_params["padding_config"]])))
+    types = [("L" if v in graph.literals else "") + str(graph.types[v]) for v in op.inputs]
+    out[op.index] = f"{op.primitive}|{params}|{types}|" + ";".join(
+        str(graph.types[v]) for v in op.outputs)
+  return out
 
 
 def _loop_trip(graph: Graph, op: Op) -> int:
@@ -488,10 +512,11 @@ def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, di
   return score, target
 
 
-def _segment_by_structure(graph: Graph, top: Sequence[Op]):
+def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow."""
   codes_map: dict[str, int] = {}
-  codes = np.array([codes_map.setdefault(op.signature, len(codes_map)) for op in top],
+  codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
+                    for op in top],
                    dtype=np.int64)
   pos = {op.index: j for j, op in enumerate(top)}
   instances: list[list[int]] = []
@@ -669,15 +694,18 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   """
   start = time.perf_counter()
   top = graph.region_ops(0)
-  found = _segment_by_names(graph, top) if use_names else None
+  blind = _offset_blind(graph)
+  found = _segment_by_names(graph, top, blind) if use_names else None
   if found is None:
-    return _finish(graph, top, _segment_by_structure(graph, top), "structure", start)
-  by_names = _finish(graph, top, found, "names", start)
+    return _finish(graph, top, _segment_by_structure(graph, top, blind), "structure", start,
+                   blind)
+  by_names = _finish(graph, top, found, "names", start, blind)
   if _in_layers(by_names) >= _NAMES_ENOUGH:
     return by_names
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
-  by_structure = _finish(graph, top, _segment_by_structure(graph, top), "structure", start)
+  by_structure = _finish(graph, top, _segment_by_structure(graph, top, blind), "structure",
+                         start, blind)
   if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
     return by_structure
   return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
@@ -687,7 +715,8 @@ def _in_layers(folded: Folded) -> float:
   return sum(len(i.ops) for i in folded.instances) / max(folded.num_ops, 1)
 
 
-def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float) -> Folded:
+def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
+            blind: dict[int, str]) -> Folded:
   """Instances, unique layers, glue and boundaries from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
@@ -724,7 +753,7 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float) -
   raw = []
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = subgraph_fingerprint([graph.ops[i] for i in ops])
+    fp = subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
     by_fp.setdefault(fp, []).append(pos)
     inputs, outputs = _boundary_values(graph, ops)
     trip = _stack_trip(graph, ops)

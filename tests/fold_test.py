@@ -100,7 +100,18 @@ def test_structure_takes_over_from_names_that_number_every_op(style):
     assert len(numbered) == per_block, (inst.name, sorted(numbered))
 
 
-@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet"])
+def test_blocks_over_one_stacked_parameter_fold_despite_their_slice_offsets():
+  """`stacked[i]` slices differ only in where they start: one computation per block."""
+  unique = []
+  for layers in (4, 12):
+    f = fold(style_graph("stacked_vmap", layers))
+    assert len(f.instances) == layers, f.summary()
+    unique.append(len(f.unique_layers))
+  assert in_layers(f) >= 0.85, f.summary()  # 70% at 4 layers: the optimizer is glue
+  assert unique[1] <= unique[0] <= 2
+
+
+@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet", "stacked_vmap"])
 def test_structurally_folded_styles_plan_to_the_unsharded_numbers(style):
   assert fold(style_graph(style, 3)).method == "structure"
   styles.assert_plan_runs_like_unsharded(styles.STYLES[style](3), {"data": 2, "model": 4})

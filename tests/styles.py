@@ -639,3 +639,35 @@ STYLES: dict[str, Callable[[int], Program]] = {
     "cnn_batchnorm": cnn_batchnorm,
     "stacked_vmap": stacked_vmap,
 }
+
+
+def main(argv: list[str]) -> None:
+  """Prints, per style and depth, how the train step folds (and with --search, how long
+  the search takes): `PYTHONPATH=$PWD python tests/styles.py 4,12 [--search] [style ...]`.
+  """
+  from tapas_jax.fold import fold  # noqa: PLC0415 - only the command line needs it
+  from tapas_jax.trace import trace  # noqa: PLC0415
+
+  depths = [int(d) for d in argv[0].split(",")]
+  search = "--search" in argv
+  names = [a for a in argv[1:] if not a.startswith("--")] or list(STYLES)
+  print("style                 layers     ops  in layers  unique  instances  method"
+        + ("     search s" if search else ""))
+  for name in names:
+    for layers in depths:
+      p = STYLES[name](layers)
+      f = fold(trace(p.step, p.state, p.batch))
+      share = sum(len(i.ops) for i in f.instances) / f.num_ops
+      line = (f"{name:20s} {layers:7d} {f.num_ops:7d} {100 * share:9.1f}% "
+              f"{len(f.unique_layers):7d} {len(f.instances):10d}  {f.method:9s}")
+      if search:
+        plan = tapas_jax.search(p.step, p.state, p.batch, mesh={"data": 2, "model": 4},
+                                device="h100")
+        line += f" {plan.stats.search_s:8.2f}"
+      print(line, flush=True)
+
+
+if __name__ == "__main__":
+  import sys  # noqa: PLC0415 - command line only
+
+  main(sys.argv[1:])

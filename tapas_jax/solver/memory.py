@@ -637,6 +637,8 @@ def largest_live(problem: Problem, acts: Activations, choice, top: int = 3) -> s
     if v in g.producer:
       op = g.ops[g.producer[v]]
       what = f"{op.name_stack or '(top)'}/{op.primitive}"
+    elif v not in g.input_path:  # a loop body's input, written out per iteration
+      what = "a scanned stack's carry, stacked for its recomputation"
     elif acts.unless_of(k):
       what = f"{g.input_path[v]} copied before its in-place update"
     else:

@@ -214,7 +214,7 @@ def scan_remat(graph: Graph, forward: int, backward: int, policy: str) -> ScanRe
   """The recomputation of a scanned stack's body under a policy; None when nothing would
   be recomputed (everything saved, or no residual only the backward loop reads)."""
   fop, bop = graph.ops[forward], graph.ops[backward]
-  fr, br = scan_region(graph, fop), scan_region(graph, bop)
+  fr = scan_region(graph, fop)
   fc, bc = jx.scan_counts(fop.raw_params), jx.scan_counts(bop.raw_params)
   b_xs = bc.num_consts + bc.num_carry
   body = {op.index for op in graph.ops if op.region == fr.index}

@@ -154,13 +154,17 @@ def test_predicted_memory_is_within_20_percent_of_xla(family, kind):
 
 
 # Layers stacked under one scan: its forward writes out every layer's residuals, one
-# slice per iteration, and its backward reads them (measured: search 41.2 / 39.2 MiB,
-# data parallel 9.7 / 9.5; 9.9 / 4.6 MiB predicted before the scan's outputs counted).
+# slice per iteration, and its backward reads them; while each loop runs, one
+# iteration's activations at the body's own peak are live (measured at 2 / 4 / 8 layers,
+# search: 13.4 / 22.0 / 39.3 MiB predicted against XLA:CPU's 12.5 / 21.4 / 39.2; before
+# the body's peak, every value one iteration writes was counted at once: 23.9 / 41.2
+# MiB at 4 / 8 layers, 1.12 / 1.05; before the scan's outputs counted, 0.25).
 @pytest.mark.parametrize("kind", ["search", "data_parallel"])
-def test_a_scanned_stack_is_predicted_within_20_percent_of_xla(kind):
-  predicted, compiled = compiled_case("llama", kind, num_layers=8, seq_len=64,
+@pytest.mark.parametrize("layers", [2, 4, 8])
+def test_a_scanned_stack_is_predicted_within_10_percent_of_xla(kind, layers):
+  predicted, compiled = compiled_case("llama", kind, num_layers=layers, seq_len=64,
                                       scan_layers=True)
-  assert predicted == pytest.approx(compiled, rel=0.2)
+  assert predicted == pytest.approx(compiled, rel=0.1)
 
 
 def test_a_scan_s_stacked_residuals_are_live_until_its_backward_reads_them():

@@ -431,10 +431,11 @@ def test_applied_scan_remat_computes_the_same_step_and_recomputes_in_the_loop(ki
   applied, placed = _applied_like_unsharded(plan, step, args, want_params, want_loss)
   compiled = applied.lower(*placed).compile()
   plain = tapas.apply(dataclasses.replace(plan, remat=()), step).lower(*placed).compile()
-  # The forward body runs again in the backward loop (measured on llama: 25.2 -> 30.1
-  # MFLOP), and the stacked residuals are gone from the compiled program's temporaries
-  # (5.69 -> 1.19 MB on llama, jax 0.10 and 0.12): no scheduling question here, the
-  # buffers do not exist.
-  assert measure.measure(compiled, 8).flops > 1.1 * measure.measure(plain, 8).flops
+  # The forward body runs again in the backward loop (measured on llama, the plan's
+  # dots_saveable: 25.2 -> 28.0 MFLOP; nothing_saveable 30.1), and the stacked residuals
+  # are gone from the compiled program's temporaries (5.69 -> 1.56 MB; 1.19 with
+  # nothing_saveable, jax 0.10 and 0.12): no scheduling question here, the buffers do
+  # not exist.
+  assert measure.measure(compiled, 8).flops > 1.05 * measure.measure(plain, 8).flops
   assert (compiled.memory_analysis().temp_size_in_bytes
           < 0.6 * plain.memory_analysis().temp_size_in_bytes)

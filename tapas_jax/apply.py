@@ -554,6 +554,13 @@ class _ScanRecompute:
     carry_in = fr.inputs[fnc:fnc + fncarry]
     consts, xs = invals[:nc], invals[nc + ncarry:]
     fconsts, fxs, init, stacked = self.consts, self.xs, self.init, self.stacked
+    # An operand both loops read is taken as the backward reads it (a recomputed copy
+    # where the layer around the loop is rematerialised too): the forward's own copy
+    # need not live until the backward.
+    fop, bop = g.ops[r.forward], g.ops[r.backward]
+    mine = {v: invals[j] for j, v in enumerate(bop.inputs) if v not in g.literals}
+    fin = [mine.get(v, x) for v, x in zip(fop.inputs, list(fconsts) + list(init) + list(fxs))]
+    fconsts, fxs = fin[:fnc], fin[fnc + fncarry:]
     kept = [j for j, _ in r.kept]
     # Saved values the recomputation reads: the kept residuals' slices, standing in for
     # the body equations (or the body inputs) that made them.

@@ -439,3 +439,31 @@ def test_applied_scan_remat_computes_the_same_step_and_recomputes_in_the_loop(ki
   assert measure.measure(compiled, 8).flops > 1.05 * measure.measure(plain, 8).flops
   assert (compiled.memory_analysis().temp_size_in_bytes
           < 0.6 * plain.memory_analysis().temp_size_in_bytes)
+
+
+def _carry_net(ws, x):
+  # The backward reads sin(h) and cos(h), never h: recomputing them needs each
+  # iteration's carry, which the forward loop then writes out.
+  def body(h, w):
+    return jnp.sin(h) @ w, None
+  return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "nothing_saveable"])
+def test_a_scan_remat_writes_out_the_carry_it_recomputes_from(policy):
+  layers, n, d = 6, 32, 16
+  ws = jax.random.normal(jax.random.key(0), (layers, d, d)) / np.sqrt(d)
+  x = jax.random.normal(jax.random.key(1), (n, d))
+
+  def step(ws, x):
+    value, grad = jax.value_and_grad(_carry_net)(ws, x)
+    return ws - 0.1 * grad, value
+
+  g = trace.trace(step, ws, x)
+  f = fold.fold(g)
+  (r,) = [r for r in remat.layer_remats(f, 0, policy) if isinstance(r, remat.ScanRemat)]
+  assert r.carries == (0,)
+  plan = tapas.search(step, ws, x, mesh={"data": 8}, device="cpu")
+  plan = dataclasses.replace(plan, remat=((f.unique_layers[0].name, policy),))
+  want_ws, want_loss = jax.jit(step)(ws, x)
+  _applied_like_unsharded(plan, step, (ws, x), want_ws, want_loss)

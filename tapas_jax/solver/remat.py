@@ -27,7 +27,9 @@ Approximations (stated, not hidden):
   stays (the layer's input, the parameters' slices). Under `dots_saveable` a dot output
   the forward loop does not already write out is recomputed too (nothing new is
   written out but a carry's per-iteration value). Needs the scan's operand counts,
-  which jax 0.11+ does not record (`_jax_internals.scan_counts`): no scan remat there;
+  which jax 0.11+ records only in its flat trees (`_jax_internals.scan_counts`); the
+  forward loop's operands the backward loop does not read are not kept longer in the
+  model, though the recomputation reads them;
 - without a budget remat only costs time, so it is chosen only under a budget;
 - the originals' new last reader is the last reader left, without the reach a value
   gets from fused readers (`memory.activations`); a recomputed value the activation

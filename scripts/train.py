@@ -73,7 +73,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _MESH = flags.DEFINE_string("mesh", None, "Mesh axes as name:size pairs, outermost first, "
                             "e.g. data:2,model:4; default: the config's mesh.")
 _DEVICE = flags.DEFINE_string("device", None, "Cost profile of the device (tpu-v4, tpu-v5e, "
-                              "tpu-v5p, a100, h100, h200, cpu); default: the local platform.")
+                              "tpu-v5p, tpu-v6e, a100, h100, h200, cpu); default: --verify's "
+                              "topology's, else the local devices' generation.")
 _MEMORY_BUDGET = flags.DEFINE_string("memory_budget", None, "Per-device memory the plan may "
                                      "take: bytes, or with a unit (16GiB, 512MiB, 80GB).")
 _STRATEGY = flags.DEFINE_string("strategy", "tapas", "tapas (search), dp, fsdp, megatron "
@@ -84,6 +85,11 @@ _SEQUENCE_PARALLEL = flags.DEFINE_bool(
     "sequence_parallel", True, "Let the search also split positions between contractions "
     "(Megatron-SP: gathered into the dots, reduce-scattered out) where cheaper; "
     "--strategy=tapas only. --nosequence_parallel searches without it.")
+_VERIFY = flags.DEFINE_string(
+    "verify", None, "TPU topology (v5p:4x4x4, v6e:16x16) to compile the plan for through "
+    "libtpu, on this machine: the search runs again under a lower budget until the TPU "
+    "compiler's peak fits (--strategy=tapas). Works with --plan_only; needs "
+    "pip install 'tapas_jax[tpu]'.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")
@@ -276,6 +282,7 @@ class Settings:
   memory_budget: float | None
   batch_axes: object
   sequence_parallel: bool
+  verify: str | None
   steps: int
   batch_size: int
   seed: int
@@ -319,6 +326,16 @@ def read_settings() -> Settings:
     if unknown:
       raise LaunchError(f"--batch_axes={_BATCH_AXES.value}: {unknown} not in the mesh "
                         f"axes {list(mesh_axes)}")
+  if _VERIFY.value is not None:
+    from tapas_jax import options  # noqa: PLC0415
+    try:
+      options.topology(_VERIFY.value, "--verify", "verify")
+    except ValueError as e:
+      raise LaunchError(str(e)) from None
+    if strategy != "tapas":
+      raise LaunchError(f"--verify: only the search (--strategy=tapas) searches again "
+                        f"under the compiler's figures; --strategy={_STRATEGY.value} is "
+                        "fixed. Drop the flag or use --strategy=tapas")
   if _DEVICE.value is not None:
     from tapas_jax import cost  # noqa: PLC0415
     try:
@@ -329,7 +346,8 @@ def read_settings() -> Settings:
   return Settings(config=config, model=model, mesh_axes=mesh_axes,
                   strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
                   memory_budget=budget, batch_axes=batch_axes,
-                  sequence_parallel=_SEQUENCE_PARALLEL.value, steps=steps,
+                  sequence_parallel=_SEQUENCE_PARALLEL.value, verify=_VERIFY.value,
+                  steps=steps,
                   batch_size=batch_size,
                   seed=config.seed if _SEED.value is None else _SEED.value,
                   workdir=_WORKDIR.value, data=None,
@@ -380,11 +398,12 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
       return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
                           device=settings.device, memory_budget=settings.memory_budget,
                           batch_axes=settings.batch_axes,
-                          sequence_parallel=settings.sequence_parallel)
+                          sequence_parallel=settings.sequence_parallel,
+                          verify=settings.verify)
     return baselines.baseline(_STRATEGIES[settings.strategy], train_step, state_spec,
                               batch_spec, mesh=mesh, device=settings.device,
                               family=settings.config.family)
-  except ValueError as e:  # an infeasible budget, a mesh the model cannot use, ...
+  except (ValueError, ImportError) as e:  # an infeasible budget, no libtpu, ...
     raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
 
 

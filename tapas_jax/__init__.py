@@ -4,7 +4,8 @@ The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` 
 `Folded`: unique layers and their instances), `solver` (-> `Plan`), then `apply`
 (-> a jitted function XLA partitions the plan's way). `tapas.search(fn, *args,
 mesh=...)` runs the first three; `tapas.apply(plan, fn)` and `tapas.place(plan,
-*args)` run the plan.
+*args)` run the plan; `tapas.verify(plan, fn, *args, topology="v5p:2x2x1")` has the
+compiler judge it.
 
 Example:
   >>> import tapas_jax as tapas
@@ -29,6 +30,7 @@ from tapas_jax.plan import Plan, PlanStats
 from tapas_jax.shard import shard
 from tapas_jax.solver import InfeasibleBudgetError
 from tapas_jax.trace import Graph, TraceError
+from tapas_jax.verify import Verified, verify
 
 if TYPE_CHECKING:
   from tapas_jax import models
@@ -43,6 +45,7 @@ __all__ = [
     "Plan",
     "PlanStats",
     "TraceError",
+    "Verified",
     "apply",
     "fold",
     "make_mesh",
@@ -52,6 +55,7 @@ __all__ = [
     "search",
     "shard",
     "trace",
+    "verify",
 ]
 
 

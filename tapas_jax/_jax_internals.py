@@ -74,6 +74,11 @@ def name_stack(eqn: Any) -> str:
   return str(eqn.source_info.name_stack)
 
 
+# Name-stack components JAX itself pushes, naming no module: `jax.checkpoint`'s
+# transpose runs the recomputed forward under "rematted_computation" (jax 0.4 - 0.12).
+GENERATED_SCOPES = frozenset({"rematted_computation"})
+
+
 def open_jaxpr(jaxpr: Any) -> tuple[Any, tuple[Any, ...]]:
   """(open jaxpr, consts) for either a `ClosedJaxpr` or an open `Jaxpr`."""
   if isinstance(jaxpr, ClosedJaxpr):

@@ -18,7 +18,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
 from tapas_jax import cost as costlib
@@ -28,7 +30,7 @@ from tapas_jax import plan as planlib
 from tapas_jax import solver as solverlib
 from tapas_jax import trace as tracelib
 
-__all__ = ["HBM_HEADROOM", "Prepared", "default_budget", "prepare", "search"]
+__all__ = ["HBM_HEADROOM", "VERIFY_ROUNDS", "Prepared", "default_budget", "prepare", "search"]
 
 # Share of a device's memory a plan leaves to the runtime: the CUDA context and
 # library workspaces (cuBLAS, cuDNN, NCCL buffers), XLA's own scratch and allocator
@@ -49,10 +51,11 @@ class Prepared:
 
 
 def default_device() -> str:
-  """The device profile for the local platform."""
+  """The device profile of the local devices' generation (`device_kind`: v4, v5e,
+  v5p, v6e, A100, H100, H200), or their platform's nearest one."""
   import jax  # noqa: PLC0415
-  platform = jax.devices()[0].platform
-  return {"gpu": "h100", "tpu": "tpu-v5e"}.get(platform, "cpu")
+  device = jax.devices()[0]
+  return costlib.profile_for_kind(device.device_kind, device.platform)
 
 
 def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
@@ -110,7 +113,7 @@ def search(fn, *args, mesh, device: str | None = None,
            solver: str | None = None, links: Mapping[str, str] | None = None,
            time_limit: float | None = None,
            kwargs: Mapping[str, Any] | None = None,
-           sequence_parallel: bool = True) -> planlib.Plan:
+           sequence_parallel: bool = True, verify: str | None = None) -> planlib.Plan:
   """Traces, folds and searches a sharding plan for `fn(*args, **kwargs)`.
 
   Every option is checked before anything is traced; a bad one raises `ValueError`
@@ -121,8 +124,9 @@ def search(fn, *args, mesh, device: str | None = None,
     *args: its arguments: arrays or `jax.ShapeDtypeStruct` pytrees (nothing allocated).
     mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes
       (positive ints, e.g. `{"data": 2, "model": 4}`).
-    device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, a100, h100, h200, cpu);
-      default from the local platform.
+    device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200,
+      cpu); default: the `verify` topology's generation, else the local devices'
+      (`device_kind`).
     memory_budget: per-device bytes the plan may take: the program's inputs
       (parameters, optimizer state, batch) plus the intermediates live at the
       activation peak, as `plan.stats.predicted_memory_bytes` reports. None: the
@@ -157,6 +161,13 @@ def search(fn, *args, mesh, device: str | None = None,
       residual stream (norms, residual adds) may split its sequence positions apart
       from the dots around it, gathered into them and reduce-scattered out of them,
       where that is cheaper. False searches without it (fewer choices).
+    verify: a TPU topology ("v5p:4x4x4", "v5e:2x2"; its chip count the mesh's) to
+      compile the plan found for, through libtpu on this machine (`tapas.verify`,
+      `pip install 'tapas_jax[tpu]'`), with the state (argument 0) donated. Where the
+      compiler's peak exceeds the chip's usable HBM (or `memory_budget`, if smaller),
+      the search runs again under a budget lowered by what was missing, at most
+      `VERIFY_ROUNDS` times; the plan returned has compiled within it, and carries the
+      compiler's figures and every round in `plan.compiled`. None: no compile.
 
   Returns:
     A `tapas_jax.plan.Plan`.
@@ -164,7 +175,9 @@ def search(fn, *args, mesh, device: str | None = None,
   Raises:
     InfeasibleBudgetError: no plan fits `memory_budget` (by default, the device's
       memory); the message gives the budget, the smallest per-device memory
-      reachable and the tensors that dominate it. Raised before anything runs.
+      reachable and the tensors that dominate it. Raised before anything runs. With
+      `verify`: no plan found compiled within the chip's memory; the message gives
+      each round and by how much the leanest one failed.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -178,32 +191,106 @@ def search(fn, *args, mesh, device: str | None = None,
   memory_budget = options.memory_bytes(memory_budget)
   solver = options.solver(solver)
   time_limit = options.time_limit(time_limit)
+  topology = options.topology(verify)
+  if topology is not None and device is None:
+    device = costlib.profile_for_topology(topology)  # the chip compiled for
   prepared = prepare(fn, args, mesh=mesh, device=device, batch_axes=batch_axes, fold=fold,
                      links=links, kwargs=kwargs, sequence_parallel=sequence_parallel)
-  start = time.perf_counter()
   solverlib.warn_unsplittable(prepared.problem)
   solverlib.warn_batch_unsplit(prepared.problem)
-  profile = prepared.problem.profile
-  budget = resolve_budget(memory_budget, profile)
+  budget = resolve_budget(memory_budget, prepared.problem.profile)
   cache: dict = {}
+
+  def solve(budget: float | None) -> planlib.Plan:
+    start = time.perf_counter()
+    solution = _solve(prepared, budget, default=memory_budget is None, fold=fold,
+                      solver=solver, time_limit=time_limit, cache=cache)
+    search_s = prepared.prepare_s + time.perf_counter() - start
+    from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
+    return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
+                             search_s=search_s, kwargs=kwargs,
+                             baselines=baselines.figures(prepared.problem, cache))
+
+  plan = solve(budget)
+  if topology is None:
+    return plan
+  return _verified(plan, solve, fn, args, kwargs, topology, budget, memory_budget)
+
+
+# How many times `search(..., verify=...)` searches again under a lower budget.
+VERIFY_ROUNDS = 4
+
+
+def _solve(prepared: Prepared, budget: float | None, *, default: bool, fold: bool,
+           solver: str | None, time_limit: float | None, cache: dict):
+  """The solver's solution under `budget`; the default budget's error says it is one."""
+  profile = prepared.problem.profile
   try:
-    solution = solverlib.solve(prepared.problem, reuse=fold,
-                               solver=solver_name(solver, fold), memory_budget=budget,
-                               time_limit=time_limit, table_cache=cache,
-                               folded=prepared.folded)
+    return solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
+                           memory_budget=budget, time_limit=time_limit, table_cache=cache,
+                           folded=prepared.folded)
   except solverlib.InfeasibleBudgetError as e:
-    if memory_budget is not None:
+    if not default:
       raise
     raise solverlib.InfeasibleBudgetError(
-        f"{e} The budget is the default: {profile.name}'s {profile.hbm_bytes / 2**30:.1f} "
-        f"GiB of device memory less {HBM_HEADROOM:.0%} headroom; pass memory_budget= "
-        "to change it (float('inf'): no limit).", budget_bytes=e.budget_bytes,
-        leanest_bytes=e.leanest_bytes) from None
-  search_s = prepared.prepare_s + time.perf_counter() - start
-  from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
-  return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
-                           search_s=search_s, kwargs=kwargs,
-                           baselines=baselines.figures(prepared.problem, cache))
+        f"{e} The budget is the default: {profile.name}'s "
+        f"{options.format_bytes(profile.hbm_bytes)} of device memory less "
+        f"{HBM_HEADROOM:.0%} headroom; pass memory_budget= to change it (float('inf'): "
+        "no limit).", budget_bytes=e.budget_bytes, leanest_bytes=e.leanest_bytes) from None
+
+
+def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
+              budget: float | None, memory_budget: float | None) -> planlib.Plan:
+  """Compiles `plan` for `topology`; while the compiler's peak does not fit, searches
+  again under a budget lowered by what was missing (`VERIFY_ROUNDS` at most)."""
+  # verify builds on apply, a stage above this one.
+  from tapas_jax.verify import verify as compile_for  # noqa: PLC0415
+  fmt = options.format_bytes
+  rounds: list[tuple[float, float, float]] = []
+  notes: list[str] = []
+  for k in range(VERIFY_ROUNDS):
+    with warnings.catch_warnings():  # a step that returns no new state donates nothing
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      record = compile_for(plan, fn, *args, topology=topology, donate_argnums=0,
+                           kwargs=kwargs)
+    limit = min(record.hbm_bytes, memory_budget or math.inf)
+    predicted = plan.stats.predicted_memory_bytes
+    rounds.append((math.inf if budget is None else budget, predicted,
+                   float(record.peak_bytes)))
+    notes.append(f"round {k + 1}: budget {fmt(budget) if budget else 'unlimited'}, "
+                 f"predicted {fmt(predicted)}, compiled {fmt(record.peak_bytes)}"
+                 + ("" if record.compiled else " (the compiler refused it)"))
+    missing = record.peak_bytes - limit
+    if not record.compiled and missing <= 0:
+      # Refused, with no sizes in the message: a quarter less, for want of a figure.
+      missing = predicted / 4
+    if record.compiled and missing <= 0:
+      # Judged against the budget where it is below the chip's memory.
+      figures = dataclasses.replace(record.figures(), rounds=tuple(rounds), hbm_bytes=limit)
+      return dataclasses.replace(plan, compiled=figures)
+    budget = min(budget or math.inf, predicted) - missing
+    if budget <= 0 or k == VERIFY_ROUNDS - 1:
+      break
+    try:
+      plan = solve(budget)
+    except solverlib.InfeasibleBudgetError as e:
+      notes.append(f"no plan is predicted within {fmt(budget)} (the leanest "
+                   f"{fmt(e.leanest_bytes)})")
+      if not e.leanest_bytes < predicted:
+        break
+      # The compiler may still take the leanest plan the model knows: try it.
+      budget = e.leanest_bytes * (1 + 1e-9)
+      try:
+        plan = solve(budget)
+      except solverlib.InfeasibleBudgetError:
+        break
+  leanest = min(rounds, key=lambda r: r[2])
+  raise solverlib.InfeasibleBudgetError(
+      f"search(verify={topology!r}): no plan compiled within {fmt(limit)} per device "
+      f"({'memory_budget' if limit == memory_budget else 'the usable HBM of ' + topology}); "
+      f"the leanest needs {fmt(leanest[2])}, {fmt(leanest[2] - limit)} too much. "
+      + "; ".join(notes) + ". Use a bigger mesh, rematerialise, or a smaller batch or "
+      "model.", budget_bytes=limit, leanest_bytes=leanest[2])
 
 
 def resolve_budget(memory_budget: float | None,

@@ -20,14 +20,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import warnings
 from typing import Any, Mapping
 
 from tapas_jax import api
-from tapas_jax import cost as costlib
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver
@@ -47,45 +45,10 @@ MEGATRON_SPLITS: Mapping[str, tuple[tuple[str, int], ...]] = {
 BASELINES = ("data_parallel", "fsdp", "megatron")
 
 
-def _widest(problem, c: int, axes: tuple[str, ...]) -> tuple[str, ...]:
-  """The largest subset of `axes` (kept in order) that class c can take."""
-  best: tuple[str, ...] = ()
-  for option in problem.domains[c]:
-    if set(option) <= set(axes) and math.prod(problem.mesh.size(a) for a in option) > \
-        math.prod(problem.mesh.size(a) for a in best):
-      best = option
-  return best
-
-
-def _batch_choice(problem, axes) -> dict[int, tuple[str, ...]]:
-  return {c.index: _widest(problem, c.index, axes) for c in problem.classes if c.batch}
-
-
-def _fsdp(problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costlib.Layout]]:
-  """Every state input stored split over all axes on its largest divisible dim.
-
-  Where the search sees the input apart from its compute (parameters and optimizer
-  state under a state update), that is a choice of its storage class: gradients are
-  reduce-scattered into it and parameters gathered for use. Other inputs get a fixed
-  layout, gathered where they are read.
-  """
-  choice, layouts = {}, {}
-  axes = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
-  n = math.prod(problem.mesh.size(a) for a in axes)
-  for i in problem.graph.inputs:
-    shape = problem.graph.types[i.value].shape
-    if i.value in problem.batch_inputs or not shape:
-      continue
-    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
-    if not dims:
-      continue
-    c = problem.vclass(i.value, dims[0])
-    if problem.stored_apart(i.value) and axes in problem.domains[c]:
-      choice.setdefault(c, axes)
-    else:
-      layouts[i.value] = costlib.Layout(tuple(axes if d == dims[0] else ()
-                                              for d in range(len(shape))))
-  return choice, layouts
+# The expert choices the search also evaluates as incumbents (`solver.experts`).
+_widest = solver.experts.widest
+_batch_choice = solver.experts.batch_choice
+_fsdp = solver.experts.fsdp
 
 
 def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, ...]]:
@@ -94,8 +57,12 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
                      f"known: {', '.join(sorted(MEGATRON_SPLITS))}")
   model_axes = tuple(a for a in problem.mesh.axis_names if a not in batch_axes)
   choice = _batch_choice(problem, batch_axes)
+  stacked = solver.experts.stacked_dims(problem)
   for i in problem.graph.inputs:
     for pattern, dim in MEGATRON_SPLITS[family]:
+      # A stacked parameter (scan_layers=True) has the layer dim in front of the dims
+      # MEGATRON_SPLITS names.
+      dim += (problem.cv(i.value), 0) in stacked
       if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
         for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim)}:
           choice[c] = _widest(problem, c, model_axes)  # stored as it is used

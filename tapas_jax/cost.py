@@ -10,12 +10,12 @@ Conventions used throughout:
   traffic one device pushes onto its links under ring accounting.
 * Bandwidths are **unidirectional** (bytes/s one device can send while it also
   receives at the same rate), which is what ring accounting needs.
-* Time of a collective = α · steps + bytes / bandwidth, where a collective over
-  several mesh axes runs as one flat ring over all of them and so is paced by
-  the slowest link among those axes (and pays the largest α). This is
-  conservative: a hierarchical schedule, or a TPU torus using the links of
-  several dimensions at once, does better. `reshard` recovers most of the
-  hierarchical benefit by itself, because it may issue one collective per axis.
+* Time of a collective = α · steps + bytes / bandwidth. A collective over several
+  mesh axes is one collective, as XLA emits it (a value partial over data and
+  model is all-reduced once over both): it sends the flat ring's bytes, and is
+  timed as one ring per axis, fastest link first, each axis on what the one
+  before it left, as TPU per-dimension rings and NCCL's hierarchical algorithms
+  run it.
 
 Example:
   >>> from tapas_jax import cost
@@ -201,6 +201,28 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_host=4,
         intra_domain_size=6144,
     ),
+    "tpu-v6e": DeviceProfile(
+        name="tpu-v6e",
+        # https://cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOPs bf16 per chip.
+        peak_flops=918e12,
+        peak_flops_f32=918e12,
+        # The datasheet's 32 GB HBM less what the runtime keeps: 31.25 GiB is what the
+        # TPU compiler (libtpu 0.0.42.1) reports as available HBM on v6e.
+        hbm_bytes=31.25 * _GIB,
+        # https://cloud.google.com/tpu/docs/v6e: 1640 GBps (the page's current revision
+        # states 1638 GBps).
+        hbm_bandwidth=1640 * _GB,
+        # https://cloud.google.com/tpu/docs/v6e: 800 GBps bidirectional ICI per chip
+        # (an earlier revision: 3584 Gbps), 4 ports, 2D torus -> 2 of 4 ports per axis.
+        intra_bandwidth=800 * _GB / 2 * 2 / 4,
+        # https://cloud.google.com/tpu/docs/v6e: 4 x 200 Gbps NIC per host of 8 chips.
+        inter_bandwidth=4 * 200e9 / 8 / 8,
+        intra_latency_s=1e-6,
+        inter_latency_s=10e-6,
+        # https://cloud.google.com/tpu/docs/v6e: 8 chips per host, 256-chip pod.
+        devices_per_host=8,
+        intra_domain_size=256,
+    ),
     "a100": DeviceProfile(
         name="a100",
         # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS
@@ -299,6 +321,49 @@ def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
     return profile
   return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
                              **{f: getattr(cpu, f) for f in _COMPILER_LAYOUT})
+
+
+# `jax.devices()[0].device_kind` -> profile, matched in order on the lower-cased kind:
+# the TPU runtime says "TPU v5 lite" for v5e, "TPU v5" (or "TPU v5p") for v5p, "TPU v6
+# lite" for v6e; CUDA names the board ("NVIDIA H100 80GB HBM3").
+_KINDS = (("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v5 lite", "tpu-v5e"),
+          ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"),
+          ("tpu v4", "tpu-v4"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
+# A TPU topology name's generation ("v5p:4x4x4") -> profile.
+_GENERATIONS = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5litepod": "tpu-v5e",
+                "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
+
+
+def profile_for_kind(device_kind: str, platform: str = "") -> str:
+  """The profile of a device, from its `device_kind` (and platform, for the fallback).
+
+  Example:
+    >>> profile_for_kind("TPU v5 lite"), profile_for_kind("NVIDIA H100 80GB HBM3")
+    ('tpu-v5e', 'h100')
+  """
+  kind = device_kind.lower()
+  for part, name in _KINDS:
+    if part in kind:
+      return name
+  # An unknown generation: the nearest profile of its platform, not a crash.
+  return {"gpu": "h100", "tpu": "tpu-v5e"}.get(platform, "cpu")
+
+
+def profile_for_topology(topology: str) -> str:
+  """The profile of a TPU topology name ("v5p:4x4x4" -> "tpu-v5p").
+
+  Raises:
+    ValueError: a generation no profile describes.
+
+  Example:
+    >>> profile_for_topology("v6e:16x16")
+    'tpu-v6e'
+  """
+  generation = topology.split(":", 1)[0].lower()
+  if generation not in _GENERATIONS:
+    raise ValueError(f"TPU topology {topology!r}: no device profile for generation "
+                     f"{generation!r}; known: {', '.join(sorted(_GENERATIONS))}.")
+  return _GENERATIONS[generation]
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:

@@ -6,13 +6,15 @@ its forward, backward and optimizer-update ops (ops nested in loop bodies travel
 the loop op that owns them). Two instances are the same unique layer when their
 canonical subgraphs hash the same (`trace.subgraph_fingerprint`).
 
-Two ways to find instances, tried in order:
+Two ways to find instances:
 1. **names**: flax name stacks (`jvp(GPT)/Block_3/MLP`, `transpose(jvp(GPT))/Block_3`)
    give a scope tree; siblings whose subtrees hash the same are instances. Levels with
    no repeats are descended (T5: `encoder` -> `encoder/layers_i`).
 2. **structure**: no names needed. Tandem repeats in the sequence of op signatures give
    runs of identical units (forward blocks, backward blocks, optimizer phases); units of
-   later runs join the instance they share most values with.
+   later runs join the instance they share most values with. Used when names find no
+   repeats, and when names leave much of the program outside layers (per-op names,
+   Keras style) and structure folds it clearly better.
 Ops still unassigned (optimizer updates under names; glue) take the segment of the
 values they read or feed, then fall back to glue. A counted loop (`nn.scan` over
 layers) is one instance whose unique layer repeats `trip_count` times.
@@ -41,6 +43,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -58,6 +61,10 @@ _MAX_PHASES = 64
 _MIN_COVERAGE = 0.02
 # How many candidate periods the structural detector checks.
 _MAX_PERIODS = 256
+# Below this share of ops in layers found by names, structure is tried too, and it
+# takes over when its fold ratio beats the names' by this factor.
+_NAMES_ENOUGH = 0.85
+_TAKEOVER = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +178,9 @@ class Folded:
     for u in self.unique_layers:
       names = [self.instances[i].name for i in u.instances]
       shown = ", ".join(names[:3]) + (f", ... {names[-1]}" if len(names) > 3 else "")
-      lines.append(f"  layer {u.index} {u.name!r}: {u.num_ops} ops x {u.repeats} "
-                   f"[{shown}]")
+      runs = f", {u.repeats} runs (counted loops)" if u.repeats != len(u.instances) else ""
+      lines.append(f"  layer {u.index} {u.name!r}: {u.num_ops} ops x {len(u.instances)} "
+                   f"instance(s){runs} [{shown}]")
     glue = sorted(self.glue, key=lambda s: -len(s.ops))
     if glue:
       lines.append("  glue: " + ", ".join(f"{s.name or '(top)'} ({len(s.ops)})"
@@ -187,18 +195,39 @@ _WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
 
 
 def scope_of(name_stack: str) -> tuple[str, ...]:
-  """Module path of a name stack, transforms stripped.
+  """Module path of a name stack, transforms and JAX's own scopes stripped.
+
+  The backward of a rematerialised block (`nn.remat`, `jax.checkpoint`) sits under its
+  call's stack twice, once transposed ("transpose(jvp(GPT))/jvp(GPT)/Block_1"), and
+  its recomputed forward also under "rematted_computation": both are the block's path.
 
   >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
   ('GPT', 'Block_1', 'MLP', 'fc2')
+  >>> scope_of("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/Block_1/MLP")
+  ('GPT', 'Block_1', 'MLP')
   """
-  parts = []
+  parts, wrapped = [], []
   for comp in name_stack.split("/"):
+    was_wrapped = False
     while (m := _WRAPPER.match(comp)) is not None:
-      comp = m.group(1)
-    if comp:
+      comp, was_wrapped = m.group(1), True
+    if comp and comp not in jx.GENERATED_SCOPES:
       parts.append(comp)
-  return tuple(parts)
+      wrapped.append(was_wrapped)
+  return tuple(_drop_reentry(parts, wrapped))
+
+
+def _drop_reentry(parts: list[str], wrapped: list[bool]) -> list[str]:
+  """Drops a copy of the path's own prefix that restarts at a transformed component
+  (a transform wrapper mid-stack only comes from a call re-entering its stack)."""
+  k = 1
+  while 2 * k <= len(parts):
+    if wrapped[k] and parts[k:2 * k] == parts[:k]:
+      del parts[k:2 * k], wrapped[k:2 * k]
+      k = 1
+    else:
+      k += 1
+  return parts
 
 
 class _ScopeTree:
@@ -246,7 +275,7 @@ def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
   return scope + common
 
 
-def _segment_by_names(graph: Graph, top: Sequence[Op]):
+def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
   tree = _ScopeTree(graph, top)
   layers: dict[tuple[str, ...], list[int]] = {}
@@ -258,7 +287,8 @@ def _segment_by_names(graph: Graph, top: Sequence[Op]):
 
   def visit(node):
     kids = [node + (c,) for c in tree.children[node]]
-    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]])
+    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]],
+                                   signature=blind)
            for k in kids if _contracts(graph, tree.subtree[k])}
     counts = collections.Counter(fps.values())
     repeated = any(n >= 2 for n in counts.values())
@@ -278,6 +308,29 @@ def _segment_by_names(graph: Graph, top: Sequence[Op]):
   return layers, glue
 
 
+# Params that place a slice (or its transpose, a pad) in its operand. Blocks over one
+# stacked parameter (`stacked[i]`) differ only in them: the same computation on another
+# slice, so the same sharding.
+_OFFSET_PARAMS = {"slice": ("start_indices", "limit_indices"), "pad": ("padding_config",)}
+
+def _offset_blind(graph: Graph) -> dict[int, str]:
+  """Op index -> signature blind to where a slice or pad sits (sizes kept), for the
+  slices and pads of `graph`; other ops keep `Op.signature`."""
+  out = {}
+  for op in graph.ops:
+    drop = _OFFSET_PARAMS.get(op.primitive)
+    if drop is None:
+      continue
+    params = [(k, v) for k, v in op.params if k not in drop]
+    if op.primitive == "pad":  # only how much each dim grows, not on which side
+      params.append(("grow", str([(int(lo) + int(hi), int(mid))
+                                  for lo, hi, mid in op.raw_params["padding_config"]])))
+    types = [("L" if v in graph.literals else "") + str(graph.types[v]) for v in op.inputs]
+    out[op.index] = f"{op.primitive}|{params}|{types}|" + ";".join(
+        str(graph.types[v]) for v in op.outputs)
+  return out
+
+
 def _loop_trip(graph: Graph, op: Op) -> int:
   for r in op.subregions:
     region = graph.regions[r]
@@ -285,6 +338,18 @@ def _loop_trip(graph: Graph, op: Op) -> int:
         1 for o in graph.ops if o.region == r) >= _MIN_PERIOD:
       return region.trip_count
   return 0
+
+
+def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
+  """Iterations of an instance that is a scanned stack of layers, else 1.
+
+  A stack's loops hold all its contractions; a block that merely contains a loop
+  (chunked attention, a `fori_loop`) runs once per instance, however many times the
+  loop inside it turns.
+  """
+  if any(graph.ops[i].primitive in _CONTRACTIONS for i in ops):
+    return 1
+  return max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
 
 
 def _input_labels(graph: Graph, scopes: dict[tuple[str, ...], int]) -> dict[int, int]:
@@ -447,10 +512,11 @@ def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, di
   return score, target
 
 
-def _segment_by_structure(graph: Graph, top: Sequence[Op]):
+def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow."""
   codes_map: dict[str, int] = {}
-  codes = np.array([codes_map.setdefault(op.signature, len(codes_map)) for op in top],
+  codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
+                    for op in top],
                    dtype=np.int64)
   pos = {op.index: j for j, op in enumerate(top)}
   instances: list[list[int]] = []
@@ -628,11 +694,30 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   """
   start = time.perf_counter()
   top = graph.region_ops(0)
-  method = "names"
-  found = _segment_by_names(graph, top) if use_names else None
+  blind = _offset_blind(graph)
+  found = _segment_by_names(graph, top, blind) if use_names else None
   if found is None:
-    method = "structure"
-    found = _segment_by_structure(graph, top)
+    return _finish(graph, top, _segment_by_structure(graph, top, blind), "structure", start,
+                   blind)
+  by_names = _finish(graph, top, found, "names", start, blind)
+  if _in_layers(by_names) >= _NAMES_ENOUGH:
+    return by_names
+  # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
+  # repeats of single ops; structure takes over where it folds clearly better.
+  by_structure = _finish(graph, top, _segment_by_structure(graph, top, blind), "structure",
+                         start, blind)
+  if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
+    return by_structure
+  return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
+
+
+def _in_layers(folded: Folded) -> float:
+  return sum(len(i.ops) for i in folded.instances) / max(folded.num_ops, 1)
+
+
+def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
+            blind: dict[int, str]) -> Folded:
+  """Instances, unique layers, glue and boundaries from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
@@ -668,10 +753,10 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   raw = []
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = subgraph_fingerprint([graph.ops[i] for i in ops])
+    fp = subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
     by_fp.setdefault(fp, []).append(pos)
     inputs, outputs = _boundary_values(graph, ops)
-    trip = max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
+    trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 
   fp_index = {fp: n for n, fp in enumerate(by_fp)}

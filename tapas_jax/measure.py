@@ -5,8 +5,11 @@ are judged on the compiled HLO, with the same ring accounting as `cost.py`: byte
 per device are 2(n-1)/n * S for an all-reduce, (n-1)/n * S for all-gather (S the
 gathered result), reduce-scatter (S the
 operand, n times its result) and all-to-all, and S for a
-collective-permute, with n the replica group size. Async pairs count at their
-`-start` (on GPU an all-gather-start's result also lists its operand: 1/n too much).
+collective-permute, with n the replica group size. Async pairs (`all-gather-start` /
+`-done`, `all-reduce-start`, `collective-permute-start`, as TPU and GPU HLO have them)
+count once, at their `-start`, with the bytes of the `-done`'s result (a `-start`'s
+tuple type lists the operand too). Collectives inside fusions and async computations
+count once each where they stand, as does the body of a loop.
 
 An all-reduce whose every reader keeps only a 1/n slice of it (a `dynamic-slice`, on
 its own or inside a fusion) is counted as the reduce-scatter it stands for: XLA's GPU
@@ -42,7 +45,7 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = <result type> <kind>[-start](<operands>), ... replica_groups=...`
 _LINE = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS)
-                   + r")(?:-start)?\((?P<operands>.*?)\)(?P<attrs>.*)$")
+                   + r")(?P<start>-start)?\((?P<operands>.*?)\)(?P<attrs>.*)$")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -99,7 +102,7 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
   """
   out = {k: 0.0 for k in _KINDS}
   out[SLICED] = 0.0
-  hlo = _Hlo.parse(hlo_text) if reduce_scatter_creator else None
+  hlo = _Hlo.parse(hlo_text)
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if m is None:
@@ -107,7 +110,9 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
     kind, n = m.group("kind"), _group_size(m.group("attrs"), num_devices)
     if n <= 1:
       continue
-    if kind == "all-reduce" and hlo is not None and " all-reduce(" in line:
+    if m.group("start"):
+      result = _async_result(hlo, line, kind, m.group("result"))
+    elif kind == "all-reduce" and reduce_scatter_creator:
       for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result"), n):
         if sliced:
           out["reduce-scatter"] += (n - 1) / n * nbytes
@@ -115,7 +120,8 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
         else:
           out["all-reduce"] += 2 * (n - 1) / n * nbytes
       continue
-    result = _bytes(m.group("result"))
+    else:
+      result = _bytes(m.group("result"))
     if kind == "all-reduce":
       sent = 2 * (n - 1) / n * result
     elif kind == "all-gather":
@@ -129,6 +135,23 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
     out[kind] += sent
   out["total"] = sum(out[k] for k in _KINDS)
   return out
+
+
+def _async_result(hlo: "_Hlo", line: str, kind: str, start_type: str) -> int:
+  """Bytes an async collective makes: its `-done`'s type. A `-start`'s own type also
+  holds the operands (all-gather: (operand, result); collective-permute: (operand,
+  result, contexts)), so it is read only where no `-done` reads it."""
+  m = _INSTR.match(line)
+  name = m.group("name") if m else ""
+  for reader, _ in hlo.readers.get(name, []):
+    if reader.op == f"{kind}-done":
+      return _bytes(reader.type)
+  arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(start_type) if t in _ITEMSIZE]
+  if kind == "all-gather" and len(arrays) >= 2:
+    return sum(_bytes(a) for a in arrays[len(arrays) // 2:])
+  if kind == "collective-permute" and len(arrays) >= 2:
+    return _bytes(arrays[1])
+  return _bytes(start_type)
 
 
 # `[ROOT ]%name = <type> <opcode>(<operands>)<attributes>`
@@ -261,11 +284,20 @@ class Compiled:
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def measure(compiled: Any, num_devices: int) -> Compiled:
-  """Reads collectives, memory and FLOPs off a `jax.stages.Compiled`."""
+def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True) -> Compiled:
+  """Reads collectives, memory and FLOPs off a `jax.stages.Compiled`.
+
+  Args:
+    compiled: the compiled program.
+    num_devices: devices in it.
+    reduce_scatter_creator: as for `collective_bytes`; False counts the program as
+      compiled (for a TPU or GPU program, whose pipeline has had its chance to form
+      reduce-scatters).
+  """
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()  # a dict on every jax line supported (0.10 - 0.12)
-  return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices),
+  return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices,
+                                              reduce_scatter_creator),
                   argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes),

@@ -26,8 +26,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["MeshError", "OptionError", "batch_axes", "device", "donate_argnums", "flag", "kwargs",
-           "memory_bytes", "mesh_axes", "solver", "time_limit"]
+__all__ = ["MeshError", "OptionError", "batch_axes", "device", "donate_argnums", "flag",
+           "format_bytes", "kwargs", "memory_bytes", "mesh_axes", "solver", "time_limit",
+           "topology"]
 
 # A caller that leaves `batch_axes` alone gets the axes with conventional batch names.
 DEFAULT = "default"
@@ -142,6 +143,44 @@ def memory_bytes(value: Any, where: str = "search", name: str = "memory_budget"
     raise OptionError(f"{where}: {name}={value!r} must be a positive number of bytes "
                       "(or None for the device's memory, float('inf') for no limit).")
   return value_bytes
+
+
+def format_bytes(nbytes: float) -> str:
+  """Bytes in the largest binary unit that keeps the figure at least 1, so that small
+  sizes keep their digits ("727.04 KiB", not "0.001 GiB").
+
+  Example:
+    >>> format_bytes(0.71 * 2**20), format_bytes(3 * 2**30), format_bytes(100)
+    ('727.04 KiB', '3.00 GiB', '100 B')
+  """
+  if not math.isfinite(nbytes):
+    return f"{nbytes} B"
+  size = abs(float(nbytes))
+  for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+    scale = _UNITS[unit.lower()]
+    if size >= scale:
+      return f"{nbytes / scale:.2f} {unit}"
+  return f"{nbytes:.0f} B"
+
+
+# A TPU topology name as libtpu spells it: generation, colon, chips per torus axis.
+_TOPOLOGY = re.compile(r"^v\d+[a-z]*:\d+(x\d+)*$")
+
+
+def topology(value: Any, where: str = "search", name: str = "verify") -> str | None:
+  """None, or a TPU topology name such as "v5e:2x2", "v5p:4x4x4", "v6e:16x16".
+
+  Example:
+    >>> topology("v5p:2x2x1")
+    'v5p:2x2x1'
+  """
+  if value is None:
+    return None
+  if isinstance(value, str) and _TOPOLOGY.match(value):
+    return value
+  raise OptionError(f"{where}: {name}={value!r} is not a TPU topology name; write "
+                    "generation:chips per axis, e.g. 'v5e:2x2', 'v5p:2x2x1', 'v6e:16x16' "
+                    "(or None not to compile).")
 
 
 def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"

@@ -28,11 +28,12 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import cost as costlib
+from tapas_jax.options import format_bytes
 from tapas_jax.fold import Folded
 from tapas_jax.solver import Problem, Solution
 from tapas_jax.solver import memory, remat, tables
 
-__all__ = ["Constraint", "LayerStrategy", "Plan", "PlanStats", "make_plan"]
+__all__ = ["CompiledFigures", "Constraint", "LayerStrategy", "Plan", "PlanStats", "make_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,41 @@ class BaselineFigures:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompiledFigures:
+  """What the compiler made of a plan (`tapas.verify`), as the plan carries and saves it.
+
+  Attributes:
+    target: the TPU topology compiled for ("v5p:2x2x1") or "local <platform>".
+    argument_bytes, output_bytes, alias_bytes, temp_bytes: per device, from the
+      compiler's `memory_analysis()`.
+    hbm_bytes: the memory a device may use, judged against.
+    fits: whether it compiled with its peak within `hbm_bytes`.
+    flops: the compiler's FLOPs per device.
+    comm_bytes: (collective kind, bytes sent per device) of the compiled HLO.
+    rounds: (memory budget searched under, predicted bytes, compiled peak bytes) of each
+      search `search(..., verify=...)` made; the last is this plan's.
+    error: the first line of the compiler's message when it rejected the program.
+  """
+
+  target: str
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  hbm_bytes: float
+  fits: bool
+  flops: float
+  comm_bytes: tuple[tuple[str, float], ...] = ()
+  rounds: tuple[tuple[float, float, float], ...] = ()
+  error: str = ""
+
+  @property
+  def peak_bytes(self) -> int:
+    """Arguments + temporaries + outputs - aliased outputs."""
+    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """A sharding plan for one program on one mesh.
 
@@ -169,6 +205,7 @@ class Plan:
     remat: (unique layer name, `jax.checkpoint_policies` name) of the layers whose
       backward recomputes their forward ("dots_saveable": all but dot outputs,
       "nothing_saveable": all of it); `apply` does it, `remat_policy` gives the policy.
+    compiled: the compiler's figures (`search(..., verify=...)`), or None.
   """
 
   mesh_axes: Mapping[str, int]
@@ -185,6 +222,7 @@ class Plan:
   decisions: tuple[Decision, ...] = ()
   baselines: tuple[BaselineFigures, ...] = ()
   remat: tuple[tuple[str, str], ...] = ()
+  compiled: CompiledFigures | None = None
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -255,6 +293,7 @@ class Plan:
     for name, step, comm, mem in self._figures():
       lines.append(f"  {name:<16} {step * 1e3:>11.3f} {comm / 2**20:>18.2f} "
                    f"{mem / 2**30:>20.3f}")
+    lines += self._compiled_lines()
     lines += ["", f"  {'dimension':<38} {'size':>7}  {'axes':<10} why: best other choice, "
               "its cost"]
     split = [d for d in self.decisions if d.axes]
@@ -284,6 +323,22 @@ class Plan:
         lines.append(f"    ... {len(layer.param_specs) - 8} more")
     return lines
 
+  def _compiled_lines(self) -> list[str]:
+    c = self.compiled
+    if c is None:
+      return []
+    size = format_bytes
+    verdict = "fits" if c.fits else "DOES NOT FIT"
+    lines = ["", f"  compiled for {c.target}: {verdict}, peak {size(c.peak_bytes)} of "
+             f"{size(c.hbm_bytes)} (predicted {size(self.stats.predicted_memory_bytes)}), "
+             f"sends {size(dict(c.comm_bytes).get('total', 0.0))}"]
+    if len(c.rounds) > 1:
+      lines += [f"    search {k + 1} under {size(b)}: predicted {size(p)}, compiled "
+                f"{size(m)}" for k, (b, p, m) in enumerate(c.rounds)]
+    if c.error:
+      lines.append(f"    compiler: {c.error}")
+    return lines
+
   def _figures(self) -> list[tuple[str, float, float, float]]:
     s = self.stats
     rows = [(self.name, s.predicted_step_s, s.predicted_comm_bytes, s.predicted_memory_bytes)]
@@ -301,6 +356,7 @@ class Plan:
     out.append(_html_table(["layout", "step ms", "sent MiB/device", "memory GiB/device"],
                            [(n, f"{t * 1e3:.3f}", f"{b / 2**20:.2f}", f"{m / 2**30:.3f}")
                             for n, t, b, m in self._figures()]))
+    out += [f"<small>{esc(line.strip())}</small><br>" for line in self._compiled_lines()]
     if self.remat:
       out.append(_html_table(["rematerialised layer", "jax.checkpoint policy"],
                              list(self.remat)))

@@ -18,7 +18,10 @@ reader refuses versions newer than its own), `name`, `device`, `fingerprint`, `m
 ([axis, size] pairs, in order), `in_specs` (one spec tree per positional argument),
 `kwargs_specs` ([name, spec tree] pairs), `input_types` ([path, "float32[8,64]"]),
 `class_axes`, `layers`, `stats` (the `PlanStats` fields) and `constraints` ({site,
-slot, spec}). A PartitionSpec is a list of null, an axis name or a list of names; a
+slot, spec}); a plan searched with `verify=` also has `compiled` (the
+`CompiledFigures` fields; `comm_bytes` and `rounds` as lists, an unlimited budget null),
+which files of plans without it leave out, so older readers still read them. A
+PartitionSpec is a list of null, an axis name or a list of names; a
 spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
 {"tuple": [...]}, {"node": type name, "keys": [[kind, key], ...], "children": [...]}
 or null.
@@ -232,6 +235,12 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
   }
   if plan.remat:  # only then: a plan without remat stays readable by older releases
     out["remat"] = [[layer, policy] for layer, policy in plan.remat]
+  if plan.compiled is not None:  # the same: only plans searched with verify= have it
+    c = plan.compiled
+    out["compiled"] = {**dataclasses.asdict(c), "comm_bytes": [list(kv) for kv in c.comm_bytes],
+                       # An unlimited budget is inf: JSON null.
+                       "rounds": [[x if math.isfinite(x) else None for x in r]
+                                  for r in c.rounds]}
   return out
 
 
@@ -392,7 +401,7 @@ def _jsonable(value: Any) -> bool:
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
-        "decisions", "baselines", "remat"}
+        "decisions", "baselines", "remat", "compiled"}
 
 
 def from_json(data: Any, source: str = "plan") -> planlib.Plan:
@@ -502,13 +511,40 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
     if policy not in rematlib.POLICIES:
       raise r.fail(f"remat[{j}][1]", f"one of {rematlib.POLICIES}", policy)
     remat.append((r.string(layer, f"remat[{j}][0]"), policy))
+  compiled = _compiled(r, data["compiled"]) if "compiled" in data else None
   return planlib.Plan(
       mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
       in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
       stats=planlib.PlanStats(**values), fingerprint=fingerprint,
       name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
       kwargs_specs=kwargs_specs, input_types=tuple(input_types),
-      decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat))
+      decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat),
+      compiled=compiled)
+
+
+def _compiled(r: _Reader, value: Any) -> planlib.CompiledFigures:
+  """The compiler's figures (`plan.compiled`), every field checked."""
+  names = {f.name for f in dataclasses.fields(planlib.CompiledFigures)}
+  c = r.mapping(value, "compiled", names)
+  field = lambda k: r.field(c, k, f"compiled.{k}")  # noqa: E731
+  ints = {k: r.integer(field(k), f"compiled.{k}") for k in
+          ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")}
+  comm = tuple((r.string(r.pair(kv, f"compiled.comm_bytes[{i}]")[0],
+                         f"compiled.comm_bytes[{i}][0]"),
+                float(r.number(kv[1], f"compiled.comm_bytes[{i}][1]")))
+               for i, kv in enumerate(r.array(field("comm_bytes"), "compiled.comm_bytes")))
+  rounds = []
+  for i, item in enumerate(r.array(field("rounds"), "compiled.rounds")):
+    if not isinstance(item, list) or len(item) != 3:
+      raise r.fail(f"compiled.rounds[{i}]", "[budget, predicted, compiled] bytes", item)
+    rounds.append(tuple(math.inf if x is None else float(r.number(
+        x, f"compiled.rounds[{i}][{j}]")) for j, x in enumerate(item)))
+  return planlib.CompiledFigures(
+      target=r.string(field("target"), "compiled.target"), **ints,
+      hbm_bytes=float(r.number(field("hbm_bytes"), "compiled.hbm_bytes")),
+      fits=r.of(field("fits"), bool, "compiled.fits", "true or false"),
+      flops=float(r.number(field("flops"), "compiled.flops")), comm_bytes=comm,
+      rounds=tuple(rounds), error=r.string(field("error"), "compiled.error"))
 
 
 def _open_at_end(text: str) -> bool:

@@ -273,7 +273,8 @@ _ELEMENTWISE = (
 )
 # Same maps, but pure data movement (no FLOPs).
 _IDENTITY = ("copy", "copy_p", "stop_gradient", "optimization_barrier", "device_put",
-             "sharding_constraint", "pvary")
+             "sharding_constraint", "pvary",
+             "name")  # `jax.ad_checkpoint.checkpoint_name`: tags a value for remat policies
 # Public names: the memory model fuses these into their readers as XLA does.
 ELEMENTWISE, IDENTITY = _ELEMENTWISE, _IDENTITY
 
@@ -288,6 +289,14 @@ def _elementwise(params, ins, outs, flops: bool = True) -> OpRule:
   return f.rule([_aligned(s, ref, ref_dims) for s in ins],
                 [_aligned(s, ref, ref_dims) for s in outs],
                 flops=_size(ref) if flops else 0)
+
+
+@register("polynomial")  # jax >= 0.12: sum_k coeffs[k] * x**k (gelu's erf), broadcasting
+def _polynomial(params, ins, outs) -> OpRule:
+  """Elementwise in x and its coefficient arrays; Horner's rule: a mul and an add per
+  coefficient."""
+  rule = _elementwise(params, ins, outs)
+  return dataclasses.replace(rule, flops=2 * max(len(ins) - 1, 1) * _size(outs[0]))
 
 
 @register(*_IDENTITY)
@@ -459,6 +468,44 @@ def _expand_dims(params, ins, outs) -> OpRule:
   in_dims = tuple(f.new(s) for s in ins[0])
   kept = iter(in_dims)
   return f.rule([in_dims], [tuple(None if d in new else next(kept) for d in range(rank))])
+
+
+@register("stack")
+def _stack(params, ins, outs) -> OpRule:
+  """`jnp.stack`: the operands' dims pass to the result's; the new `axis` dim (one slot
+  per operand) stays whole."""
+  axis = _norm_axis(params["axis"], len(outs[0]))
+  f = _Factors()
+  dims = tuple(f.new(s) for s in ins[0])
+  return f.rule([dims] * len(ins), [dims[:axis] + (None,) + dims[axis:]])
+
+
+@register("unstack")
+def _unstack(params, ins, outs) -> OpRule:
+  """The inverse of `stack` (its transpose, and tuple unpacking of an array): the
+  operand's `axis` dim stays whole, every other dim passes to every result."""
+  axis = _norm_axis(params["axis"], len(ins[0]))
+  f = _Factors()
+  dims = tuple(None if d == axis else f.new(s) for d, s in enumerate(ins[0]))
+  return f.rule([dims], [dims[:axis] + dims[axis + 1:]] * len(outs))
+
+
+@register("tile")
+def _tile(params, ins, outs) -> OpRule:
+  """`jnp.tile` (operand and result of one rank): a dim with one repeat passes; a
+  repeated dim is output-only, as broadcast's expanded dims are: each device writes
+  its slice of the tiling from the whole operand dim."""
+  reps = tuple(int(r) for r in params["reps"])
+  a, b = ins[0], outs[0]
+  if not len(a) == len(b) == len(reps):
+    raise ValueError(f"tile: operand {a}, result {b} and reps {reps} differ in rank")
+  f = _Factors()
+  in_dims, out_dims = [], []
+  for d, r in enumerate(reps):
+    shared = f.new(a[d]) if r == 1 else None
+    in_dims.append(shared)
+    out_dims.append(shared if r == 1 else f.new(b[d]))
+  return f.rule([in_dims], [out_dims])
 
 
 @register("iota")

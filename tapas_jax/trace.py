@@ -496,13 +496,16 @@ class _Walker:
 
 
 def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
-                         outputs: Sequence[int] = ()) -> str:
+                         outputs: Sequence[int] = (),
+                         signature: Mapping[int, str] | None = None) -> str:
   """Canonical hash of a list of ops and their wiring, blind to value ids.
 
   Values made inside are named by (op position, output slot); values from outside by
   order of first use, with declared `inputs` first. Equal fingerprints mean the same
-  computation on the same shapes.
+  computation on the same shapes. `signature` (op index -> text) replaces some ops'
+  own `signature` (fold's blindness to slice offsets).
   """
+  signature = signature or {}
   local: dict[int, str] = {v: f"i{k}" for k, v in enumerate(inputs)}
   parts = []
   for pos, op in enumerate(ops):
@@ -512,7 +515,7 @@ def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
       if ref is None:
         ref = local[v] = f"x{len(local)}"
       refs.append(ref)
-    parts.append(f"{op.signature}({','.join(refs)})")
+    parts.append(f"{signature.get(op.index, op.signature)}({','.join(refs)})")
     for slot, v in enumerate(op.outputs):
       local[v] = f"{pos}.{slot}"
   parts.append("->" + ",".join(local.get(v, "?") for v in outputs))

@@ -22,8 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
       "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
-      "TraceError", "apply", "fold", "make_mesh", "models", "place", "remat_policy",
-      "search", "shard", "trace"]
+      "TraceError", "Verified", "apply", "fold", "make_mesh", "models", "place",
+      "remat_policy", "search", "shard", "trace", "verify"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 
@@ -132,6 +132,8 @@ BAD_SEARCH_OPTIONS = [
     ({"time_limit": "10s"}, ValueError, "time_limit='10s' must be a positive number"),
     ({"links": {"pipe": "inter"}}, ValueError, "links names axis 'pipe'"),
     ({"kwargs": [("x", X)]}, ValueError, "kwargs=.* is a list; pass the step's keyword"),
+    ({"verify": "v5p"}, ValueError, r"verify='v5p' is not a TPU topology name.*'v5e:2x2'"),
+    ({"verify": 8}, ValueError, r"verify=8 is not a TPU topology name"),
 ]
 
 
@@ -239,3 +241,14 @@ def test_donate_argnames_reach_keyword_and_positional_arguments():
   w, x = np.ones((8, 8), np.float32), np.ones((64, 8), np.float32)
   b = jnp.float32(1.0)
   np.testing.assert_allclose(step(w, x, b=b), f(w, x, b=1.0), rtol=1e-6)
+
+
+def test_an_infeasible_budget_prints_sizes_that_show_the_difference():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  big = (jax.ShapeDtypeStruct((512, 512), jnp.float32),
+         jax.ShapeDtypeStruct((4096, 512), jnp.float32))
+  with pytest.raises(tapas.InfeasibleBudgetError) as e:
+    tapas.search(f, *big, mesh={"data": 8}, device="cpu", memory_budget=0.1 * 2**20)
+  assert "memory_budget=102.40 KiB per device" in str(e.value)
+  assert "GiB" not in str(e.value).split("Largest inputs")[0]
+  assert options.format_bytes(0.71 * 2**20) == "727.04 KiB"

@@ -7,6 +7,10 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU compiler tests (tapas.verify, libtpu ahead of time, no TPU attached) load libtpu
+# in this process and in the launcher's subprocesses: without this, the first holds
+# libtpu's lockfile (/tmp/libtpu_lockfile) and the others fail to load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # A sharding rule that fails raises in tests instead of replicating its op with a
 # warning (`tapas_jax.rules.strict_rules`); tests of the fallback turn it off locally.
 os.environ["TAPAS_STRICT_RULES"] = "1"

@@ -398,3 +398,31 @@ def test_random_reshards_never_beat_the_lower_bound_or_lose_to_the_naive_path():
 
 def _only_slices(src, dst):
   return src.partial == dst.partial and all(t[: len(s)] == s for s, t in zip(src.dims, dst.dims))
+
+
+@pytest.mark.parametrize("kind,platform,profile", [
+    ("TPU v4", "tpu", "tpu-v4"), ("TPU v5 lite", "tpu", "tpu-v5e"),
+    ("TPU v5e", "tpu", "tpu-v5e"), ("TPU v5", "tpu", "tpu-v5p"), ("TPU v5p", "tpu", "tpu-v5p"),
+    ("TPU v6 lite", "tpu", "tpu-v6e"), ("TPU v6e", "tpu", "tpu-v6e"),
+    ("NVIDIA H100 80GB HBM3", "gpu", "h100"), ("NVIDIA H200", "gpu", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "gpu", "a100"), ("NVIDIA L4", "gpu", "h100"),
+    ("TPU v7x", "tpu", "tpu-v5e"), ("cpu", "cpu", "cpu")])
+def test_the_local_generation_picks_its_profile(kind, platform, profile):
+  assert cost.profile_for_kind(kind, platform) == profile
+
+
+@pytest.mark.parametrize("topology,profile", [
+    ("v4:2x2x1", "tpu-v4"), ("v5e:2x2", "tpu-v5e"), ("v5p:4x4x4", "tpu-v5p"),
+    ("v6e:16x16", "tpu-v6e")])
+def test_a_topology_picks_its_profile(topology, profile):
+  assert cost.profile_for_topology(topology) == profile
+
+
+def test_an_unknown_generation_is_named():
+  with pytest.raises(ValueError, match=r"'v9z:2x2': no device profile for generation 'v9z'"):
+    cost.profile_for_topology("v9z:2x2")
+
+
+def test_v6e_is_the_memory_the_tpu_compiler_reports():
+  v6e = cost.get_profile("tpu-v6e")
+  assert v6e.hbm_bytes == 31.25 * 2**30 and v6e.peak_flops == 918e12

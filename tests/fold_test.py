@@ -1,7 +1,9 @@
 """fold: layer instances, unique layers, glue and boundaries, with and without names."""
 
 import functools
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -10,6 +12,8 @@ import pytest
 from tapas_jax import models
 from tapas_jax.fold import Folded, fold, scope_of
 from tapas_jax.trace import Graph, trace
+
+import styles  # tests/styles.py: train steps in common library styles
 
 F32 = jnp.float32
 
@@ -22,6 +26,17 @@ def sds(*shape, dtype=F32):
 def train_graph(name: str, **overrides) -> Graph:
   m = models.get_model(name, "tiny", **overrides)
   return trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+
+
+@functools.lru_cache(maxsize=None)
+def style_graph(style: str, layers: int) -> Graph:
+  p = styles.STYLES[style](layers)
+  return trace(p.step, p.state, p.batch)
+
+
+def in_layers(f: Folded) -> float:
+  """Share of top-level ops inside layer instances."""
+  return sum(len(i.ops) for i in f.instances) / f.num_ops
 
 
 def layer_shape(f: Folded) -> list[tuple[int, int]]:
@@ -50,6 +65,82 @@ def test_zoo_train_steps_fold_by_names(name, overrides, expected):
   # Every top-level op is in exactly one instance or glue segment.
   owned = [i for inst in f.instances for i in inst.ops] + [i for s in f.glue for i in s.ops]
   assert sorted(owned) == [op.index for op in f.graph.region_ops(0)]
+
+
+# Every way a block is rematerialised: nn.remat (no policy, names saved, dots saved,
+# names offloaded to host, on a submodule), nnx.remat, jax.checkpoint on a pytree module;
+# then names that do not delimit layers (Keras numbers every op) and a named CNN.
+FOLDING_STYLES = ["linen_remat", "linen_remat_names", "linen_remat_dots",
+                  "linen_remat_offload", "linen_inner_remat", "nnx_remat", "pytree_vit",
+                  "keras_transformer", "keras_resnet", "cnn_batchnorm"]
+TARGET = {"transformer": 0.85, "cnn": 0.75}  # share of ops in layer instances
+
+
+@pytest.mark.parametrize("style", FOLDING_STYLES)
+def test_styles_fold_to_the_targets_at_any_depth(style):
+  kind = styles.STYLES[style](1).kind
+  unique = []
+  for layers in (4, 12):
+    f = fold(style_graph(style, layers))
+    assert len(f.instances) == layers, f.summary()
+    assert in_layers(f) >= TARGET[kind], f.summary()
+    unique.append(len(f.unique_layers))
+  assert unique[1] <= unique[0], "unique layers grow with depth"
+
+
+@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet"])
+def test_structure_takes_over_from_names_that_number_every_op(style):
+  f = fold(style_graph(style, 4))
+  assert f.method == "structure" and len(f.unique_layers) == 1, f.summary()
+  # An instance is a whole block: all its numbered dense or conv layers, not one of them.
+  per_block = {"keras_transformer": 6, "keras_resnet": 2}[style]
+  for inst in f.instances:
+    numbered = {c for i in inst.ops for c in scope_of(f.graph.ops[i].name_stack)
+                if re.fullmatch(r"(dense|conv2d)(_\d+)?", c)}
+    assert len(numbered) == per_block, (inst.name, sorted(numbered))
+
+
+def test_blocks_over_one_stacked_parameter_fold_despite_their_slice_offsets():
+  """`stacked[i]` slices differ only in where they start: one computation per block."""
+  unique = []
+  for layers in (4, 12):
+    f = fold(style_graph("stacked_vmap", layers))
+    assert len(f.instances) == layers, f.summary()
+    unique.append(len(f.unique_layers))
+  assert in_layers(f) >= 0.85, f.summary()  # 70% at 4 layers: the optimizer is glue
+  assert unique[1] <= unique[0] <= 2
+
+
+@pytest.mark.parametrize("style", ["keras_transformer", "keras_resnet", "stacked_vmap"])
+def test_structurally_folded_styles_plan_to_the_unsharded_numbers(style):
+  assert fold(style_graph(style, 3)).method == "structure"
+  styles.assert_plan_runs_like_unsharded(styles.STYLES[style](3), {"data": 2, "model": 4})
+
+
+@pytest.mark.parametrize("style", ["linen_remat", "linen_remat_names", "linen_inner_remat"])
+def test_remat_instance_holds_forward_recomputation_and_backward(style):
+  f = fold(style_graph(style, 4))
+  assert f.method == "names" and len(f.unique_layers) == 1
+  g = f.graph
+  for k, inst in enumerate(f.instances):
+    stacks = [g.ops[i].name_stack for i in inst.ops]
+    block = f"Block_{k}/"
+    assert any(s.startswith("jvp(") and block in s for s in stacks)
+    assert any("rematted_computation" in s and block in s for s in stacks)
+    assert any(s.startswith("transpose(") and "rematted_computation" not in s and block in s
+               for s in stacks)
+    assert not any(f"Block_{j}/" in s for s in stacks for j in range(4) if j != k)
+
+
+def test_remat_inside_scan_is_one_instance_of_both_scans():
+  for layers in (4, 12):
+    f = fold(style_graph("linen_scan_remat", layers))
+    (inst,) = f.instances
+    assert inst.trip_count == layers and len(f.unique_layers) == 1
+    loops = [i for i in inst.ops if f.graph.ops[i].primitive == "scan"]
+    assert len(loops) == 2, "the forward and the backward scan"
+    # The embedding, head and loss are glue, not part of the scanned layer.
+    assert not any("wte" in f.graph.ops[i].name_stack for i in inst.ops)
 
 
 def test_heterogeneous_layers_get_readable_distinct_names():
@@ -214,6 +305,48 @@ def test_summary_reports_layers_and_ratio():
   assert "'Block'" in text and "fold ratio" in text and "GPT/Block_3" in text
 
 
-def test_scope_of_strips_transforms():
-  assert scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2") == ("GPT", "Block_1", "MLP", "fc2")
-  assert scope_of("jvp()") == ()
+def test_summary_counts_instances_not_the_iterations_of_a_loop_inside_them():
+  class Chunked(nn.Module):
+    """A block whose MLP runs over 8 sequence chunks in a `lax.scan`."""
+
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", nn.initializers.lecun_normal(), (16, 16))
+      h = nn.Dense(16, name="proj")(x)
+      _, ys = jax.lax.scan(lambda c, xc: (c, jnp.tanh(xc @ w)), None, h.reshape(8, -1, 16))
+      return x + ys.reshape(x.shape)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = Chunked(name=f"Chunked_{i}")(x)
+      return x.sum()
+
+  x = sds(2, 32, 16)
+  params = jax.eval_shape(lambda: Net().init(jax.random.key(0), jnp.zeros(x.shape)))
+  f = fold(trace(jax.grad(lambda p, x: Net().apply(p, x), argnums=(0, 1)), params, x))
+  assert layer_shape(f) == [(2, 2)]
+  assert all(i.trip_count == 1 for i in f.instances)
+  assert "ops x 2 instance(s) [" in f.summary()
+  # A scanned stack is one instance running its loop's iterations.
+  scanned = fold(train_graph("gpt", num_layers=3, scan_layers=True))
+  assert "ops x 1 instance(s), 3 runs (counted loops)" in scanned.summary()
+
+
+@pytest.mark.parametrize("stack,scope", [
+    ("transpose(jvp(GPT))/Block_1/MLP/fc2", ("GPT", "Block_1", "MLP", "fc2")),
+    ("jvp()", ()),
+    # nn.remat(Block): the backward sits under the call's stack twice, the recomputed
+    # forward also under JAX's "rematted_computation".
+    ("transpose(jvp(LM))/jvp(LM)/Block_3/ln1", ("LM", "Block_3", "ln1")),
+    ("transpose(jvp(LM))/jvp(LM)/rematted_computation/Block_3/ln1", ("LM", "Block_3", "ln1")),
+    # nn.remat on a submodule: the re-entered prefix is two components long.
+    ("transpose(jvp(LM))/Block_2/jvp(LM)/Block_2/MLP/fc1", ("LM", "Block_2", "MLP", "fc1")),
+    # Plain jax.checkpoint, no names.
+    ("transpose(jvp(jvp()))/rematted_computation", ()),
+    # A module really named like its parent stays.
+    ("jvp(LM)/LM/Block_0", ("LM", "LM", "Block_0")),
+])
+def test_scope_of_strips_transforms_and_remat_reentry(stack, scope):
+  assert scope_of(stack) == scope

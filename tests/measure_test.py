@@ -44,6 +44,50 @@ def test_done_halves_and_groups_of_one_send_nothing():
   assert measure.collective_bytes(text)["total"] == 0
 
 
+# TPU HLO (as libtpu prints it): layouts with tiles, async pairs whose -start's tuple
+# also lists the operand, a collective-permute-start with its contexts, a reduce-scatter
+# inside an async computation, an all-reduce inside a fusion. Each counts once.
+TPU_HLO = "\n".join([
+    "%fused_ar (p0: f32[256]) -> f32[256] {",
+    "  %p0 = f32[256]{0:T(256)} parameter(0)",
+    "  ROOT %ar.in = f32[256]{0:T(256)} all-reduce(%p0), channel_id=9, "
+    "replica_groups=mesh['a'=4] {'a'}, to_apply=%add",
+    "}",
+    "%async_rs (q0: bf16[64,128]) -> bf16[16,128] {",
+    "  %q0 = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)",
+    "  ROOT %rs.in = bf16[16,128]{1,0:T(8,128)(2,1)} reduce-scatter(%q0), channel_id=8, "
+    "replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%add",
+    "}",
+    "ENTRY %main (x: bf16[16,128], y: f32[8,128], z: f32[32]) -> f32[] {",
+    "  %ags = (bf16[16,128]{1,0:T(8,128)(2,1)}, "
+    "bf16[64,128]{1,0:T(8,128)(2,1)}) all-gather-start(%x), channel_id=1, "
+    "replica_groups=mesh['a'=4] {'a'}, dimensions={0}",
+    "  %agd = bf16[64,128]{1,0:T(8,128)(2,1)} all-gather-done(%ags)",
+    "  %ars = (f32[8,128]{1,0:T(8,128)}, f32[32]{0:T(128)}) all-reduce-start(%y, %z), "
+    "channel_id=2, replica_groups=mesh['a'=4] {'a'}, to_apply=%add",
+    "  %ard = (f32[8,128]{1,0:T(8,128)}, f32[32]{0:T(128)}) all-reduce-done(%ars)",
+    "  %cps = (f32[8,128]{1,0:T(8,128)}, f32[8,128]{1,0:T(8,128)}, u32[]{:S(2)}, "
+    "u32[]{:S(2)}) collective-permute-start(%y), channel_id=3, "
+    "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+    "  %cpd = f32[8,128]{1,0:T(8,128)} collective-permute-done(%cps)",
+    "  %st = ((bf16[64,128]{1,0:T(8,128)(2,1)}), bf16[16,128]{1,0:T(8,128)(2,1)}, "
+    "u32[]) async-start(%agd), calls=%async_rs",
+    "  %sd = bf16[16,128]{1,0:T(8,128)(2,1)} async-done(%st), calls=%async_rs",
+    "  %f = f32[256]{0:T(256)} fusion(%w), kind=kLoop, calls=%fused_ar",
+    "}",
+])
+
+
+def test_tpu_hlo_async_pairs_tuples_and_nested_collectives_count_once():
+  got = measure.collective_bytes(TPU_HLO, num_devices=4)
+  assert got["all-gather"] == pytest.approx(3 / 4 * 64 * 128 * 2)  # the -done's result
+  assert got["all-reduce"] == pytest.approx(2 * 3 / 4 * ((8 * 128 + 32) * 4 + 256 * 4))
+  assert got["collective-permute"] == 8 * 128 * 4  # the operand, not the contexts
+  assert got["reduce-scatter"] == 3 * 16 * 128 * 2
+  assert got["total"] == pytest.approx(sum(got[k] for k in (
+      "all-gather", "all-reduce", "collective-permute", "reduce-scatter")))
+
+
 def test_compiled_program_figures_match_the_sharding():
   mesh = tapas.make_mesh({"data": 2, "model": 4})
   # x split over both axes; the sum over dim 1 all-reduces over `model` only.

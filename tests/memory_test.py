@@ -190,7 +190,7 @@ def test_the_default_budget_is_the_devices_memory():
   x = jax.ShapeDtypeStruct((8, 2**20), F32)
   f = lambda w, x: jnp.sum(x @ w)  # noqa: E731
   with pytest.raises(tapas.InfeasibleBudgetError,
-                     match=r"67\.055 GiB.*default: h100's 74\.5 GiB.*10% headroom") as e:
+                     match=r"67\.06 GiB.*default: h100's 74\.51 GiB.*10% headroom") as e:
     tapas.search(f, w, x, mesh={"data": 2}, device="h100")
   assert e.value.budget_bytes == pytest.approx(0.9 * 80e9)
   assert e.value.leanest_bytes > 100 * 2**30

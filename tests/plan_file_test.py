@@ -194,3 +194,36 @@ def test_a_plan_with_infinite_numbers_is_refused_by_name(tmp_path):
   with pytest.raises(plan_file.PlanFileError, match=r"\['predicted_step_s'\] are not finite"):
     plan.save(tmp_path / "plan.json")
   assert not os.listdir(tmp_path)
+
+
+def _compiled_plan():
+  """A plan carrying the compiler's figures (what `search(..., verify=...)` leaves)."""
+  figures = tapas.plan.CompiledFigures(
+      target="v5p:2x2x1", argument_bytes=1024, output_bytes=512, alias_bytes=512,
+      temp_bytes=4096, hbm_bytes=20 * 2**20, fits=True, flops=1e6,
+      comm_bytes=(("all-gather", 100.0), ("total", 100.0)),
+      rounds=((float("inf"), 2e7, 3e7), (7e6, 6e6, 5120.0)))
+  return dataclasses.replace(small_plan(), compiled=figures)
+
+
+def test_the_compilers_figures_round_trip(tmp_path):
+  plan = _compiled_plan()
+  plan.save(tmp_path / "plan.json")
+  assert tapas.Plan.load(tmp_path / "plan.json") == plan  # the unlimited budget too
+  assert "compiled for v5p:2x2x1: fits, peak 5.00 KiB of 20.00 MiB" in plan.summary()
+  assert "search 2 under 6.68 MiB" in plan.summary()
+  assert "compiled" not in plan_file.to_json(small_plan())  # older readers: no new field
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("fits", "yes", r"compiled.fits: expected true or false, got \"yes\""),
+    ("temp_bytes", -1, r"compiled.temp_bytes: expected an int >= 0, got -1"),
+    ("rounds", [[1, 2]], r"compiled.rounds\[0\]: expected \[budget, predicted, compiled\]"),
+    ("speed", 1, r"compiled: expected only the fields")])
+def test_a_bad_compiled_field_is_named(tmp_path, field, value, message):
+  data = plan_file.to_json(_compiled_plan())
+  data["compiled"][field] = value
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps(data))
+  with pytest.raises(plan_file.PlanFileError, match=message):
+    tapas.Plan.load(path)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tapas_jax
@@ -18,6 +19,8 @@ from tapas_jax.rules import OpRule, rule_for, rule_of
 from tapas_jax.solver.problem import build_problem
 from tapas_jax.solver.tables import TableBuilder
 from tapas_jax.trace import Graph, trace
+
+import styles  # tests/styles.py: train steps in common library styles
 
 F32 = jnp.float32
 
@@ -149,6 +152,24 @@ def test_zoo_has_every_listed_primitive_and_no_warnings():
       "min", "reduce_window_max", "select_and_scatter_add", "pad"}
   assert expected <= seen, expected - seen
   assert expected <= set(rules.RULES)
+
+
+@functools.lru_cache(maxsize=None)
+def style_program(style: str, layers: int = 2):
+  p = styles.STYLES[style](layers)
+  return p, trace(p.step, p.state, p.batch)
+
+
+@pytest.mark.parametrize("style", sorted(styles.STYLES))
+def test_style_programs_have_a_rule_for_every_primitive(style):
+  _, g = style_program(style)
+  missing = sorted({op.primitive for op in g.ops
+                    if op.primitive not in rules.RULES and not op.subregions})
+  assert not missing, f"{style}: no sharding rule for primitive(s) {missing}"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for op in g.ops:
+      rule_for(g, op)
 
 
 def test_resnet_weight_gradient_convs_reduce_over_the_batch():
@@ -320,6 +341,45 @@ def test_elementwise_broadcast_and_scalars():
   _, _, r = rule_of_fn(jnp.tanh, sds(4, 8))
   assert_rule(r, "ab->ab")
   assert r.flops == 32
+
+
+def _checkpoint_named(x):
+  return checkpoint_name(x, "mlp_hidden")
+
+
+def _polynomial(x):
+  return jax.lax.polynomial(x, [1.0, 2.0, 3.0])
+
+
+# Primitives the common library styles emit (tests/styles.py), pinned: fn, primitive,
+# operand shape, einsum with sizes of its letters.
+STYLE_PRIMITIVE_CASES = [
+    (_checkpoint_named, "name", (4, 8, 6), "abc->abc", {}),
+    (lambda x: jnp.stack([x, x * 2], axis=1), "stack", (4, 8, 6), "abc,abc->a_bc",
+     {"a": 4, "b": 8, "c": 6}),
+    (lambda x: jnp.stack([x, x * 2, x], axis=-1), "stack", (4, 8), "ab,ab,ab->ab_", {}),
+    # `jnp.unstack`, and the transpose of stack.
+    (jnp.unstack, "unstack", (3, 8, 6), "_bc->bc,bc,bc", {"b": 8}),
+    (lambda x: jnp.tile(x, (2, 1, 3)), "tile", (4, 8, 6), "_b_->abc",
+     {"a": 2 * 4, "b": 8, "c": 3 * 6}),
+    # The class token of a ViT: a (1, 1, D) parameter tiled over the batch.
+    (lambda x: jnp.tile(x, (4, 1, 1)), "tile", (1, 1, 6), "__a->b_a", {"a": 6, "b": 4}),
+]
+if hasattr(jax.lax, "polynomial"):  # jax >= 0.12
+  STYLE_PRIMITIVE_CASES.append((_polynomial, "polynomial", (4, 8), "ab,,,->ab", {}))
+
+
+@pytest.mark.parametrize("fn,primitive,shape,spec,sizes", STYLE_PRIMITIVE_CASES,
+                         ids=[f"{c[1]}-{k}" for k, c in enumerate(STYLE_PRIMITIVE_CASES)])
+def test_style_primitive_rules(fn, primitive, shape, spec, sizes):
+  _, _, r = rule_of_fn(fn, sds(*shape), primitive=primitive)
+  assert_rule(r, spec, sizes=sizes)
+  assert r.flops == (2 * 3 * math.prod(shape) if primitive == "polynomial" else 0)
+
+
+def test_tile_of_another_rank_is_an_error_not_a_guess():
+  with rules.strict_rules(), pytest.raises(ValueError, match="differ in rank"):
+    rule_of("tile", {"reps": (2, 1)}, [(8,)], [(2, 8)])
 
 
 def test_iota_and_pooling():
@@ -589,6 +649,39 @@ def test_numerics_embedding_gather_and_scatter_add(mesh):
   batch, vocab = r.inputs[2][0], r.outputs[0][0]
   assert batch in r.reduce
   check_sharded(fn, args, g, op, {vocab: ("model",), batch: ("data",)}, mesh)
+
+
+def test_numerics_style_primitives(mesh):
+  """name, stack, unstack and tile under every split their rules allow on 2 x 4."""
+  x = _rand(0, 4, 8, 16)
+  cases = [
+      (_checkpoint_named, (x,), "name"),
+      (lambda a, b: jnp.stack([a, b], axis=1), (x[:, 0], x[:, 1] * 2), "stack"),
+      (lambda a: jnp.unstack(a, axis=1), (x[:, :2],), "unstack"),
+      (lambda a: jnp.tile(a, (2, 1, 1)), (x,), "tile"),
+  ]
+  for fn, args, primitive in cases:
+    g, op, r = rule_of_fn(fn, *args, primitive=primitive)
+    out = r.outputs[0]
+    splits = [f for f in out if f is not None]
+    assert len(splits) >= 2, (primitive, r.einsum())
+    for a, b in ((0, 1), (1, 0), (0, -1)):
+      assign = {splits[a]: ("data",), splits[b]: ("model",)}
+      # A split tiled dim is no local computation: each device slices a whole tiling.
+      local = None if primitive == "tile" and 0 in (a, b) else fn
+      check_sharded(fn, args, g, op, assign, mesh, local_fn=local)
+
+
+# Styles whose programs run values through name, stack, unstack and tile.
+PLANNED_STYLES = ["linen_remat_names", "nnx_remat", "pytree_vit"]
+
+
+@pytest.mark.parametrize("style", PLANNED_STYLES)
+def test_style_plans_compute_what_unsharded_does(style):
+  """A plan that splits values (a tight budget makes it) runs the step as unsharded."""
+  p, g = style_program(style)
+  assert {"name", "stack", "unstack", "tile"} & {op.primitive for op in g.ops}
+  styles.assert_plan_runs_like_unsharded(p, MESH_AXES)
 
 
 # -- (5) unknown primitives, failing rules and loops -----------------------------

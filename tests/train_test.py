@@ -180,6 +180,18 @@ def test_nosequence_parallel_is_taken_by_every_strategy(tmp_path):
     assert (tmp_path / strategy / "plan.json").exists()
 
 
+def test_plan_only_with_verify_saves_the_compilers_figures(tmp_path):
+  pytest.importorskip("libtpu", reason="libtpu cannot be loaded (pip install "
+                      "'tapas_jax[tpu]'): --verify is not tested")
+  run = launch(f"--config={TINY}", "--mesh=data:2,model:2", "--plan_only",
+               "--verify=v5p:2x2x1", f"--workdir={tmp_path}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  plan = tapas.Plan.load(tmp_path / "plan.json")
+  assert plan.device == "tpu-v5p"  # the topology's generation, no --device given
+  assert plan.compiled.target == "v5p:2x2x1" and plan.compiled.fits
+  assert "compiled for v5p:2x2x1: fits" in run.stdout
+
+
 def _bad_plan(tmp_path):
   path = tmp_path / "garbage.json"
   path.write_text("{not json")
@@ -212,6 +224,10 @@ BAD = [
     ("sp_fixed_layout", lambda p: ["--strategy=dp", "--sequence_parallel"],
      "--sequence_parallel: only the search"),
     ("unknown_device", lambda p: ["--device=tpu-v9"], "tpu-v9"),
+    ("bad_topology", lambda p: ["--verify=v5p"], "--verify: verify='v5p' is not a TPU "
+     "topology name"),
+    ("verify_fixed_layout", lambda p: ["--strategy=fsdp", "--verify=v5p:2x2x1"],
+     "--verify: only the search"),
     ("unwritable_workdir", lambda p: [_unwritable(p)], "not a writable directory"),
     ("does_not_fit", lambda p: ["--batch_size=4194304"], "cannot be met"),  # by the search
     ("unknown_data", lambda p: ["--config.data=parquet:x"], "choose learnable, random, "),

@@ -10,7 +10,9 @@ Modules, in the order data flows through them:
 - `memory`: per-device bytes of inputs and of intermediates live at the peak;
 - `eliminate`: exact min-sum variable elimination;
 - `ilp`: the same objective as one integer program (HiGHS), the reference;
-- `budget`: fitting a memory budget (Lagrange weight, re-posed peak, greedy repair);
+- `experts`: data parallel and FSDP as class choices (the budgeted search's incumbents);
+- `budget`: fitting a memory budget (Lagrange weight, re-posed peak, incumbents, greedy
+  repair);
 - `solve`: `solve(problem) -> Solution` and `evaluate(problem, choice)`.
 
 `tapas_jax.api.search` runs trace, fold and this package, then `plan.make_plan`.

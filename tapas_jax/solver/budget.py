@@ -3,27 +3,30 @@
 The budget covers the inputs plus the intermediates live at the activation peak. It
 enters the folded search as a Lagrange weight on memory tables, tuned by bisection
 (`fit_budget`); the peak's live set depends on the plan, so the constraint is re-posed
-at the new peak while the peak moves (`within_budget`); greedy single-class moves then
-close part of the duality gap (`repair`). The integer program takes the budget as a
-hard row instead. Results are `BudgetResult` records; the public error is raised once,
-with the whole story, by `solve`.
+at the new peak while the peak moves (`within_budget`); the expert layouts are
+incumbents: the fastest of the weight's plan and those that fit is kept (`best_of`,
+`experts.incumbents`); greedy single-class moves then close part of the duality gap
+(`repair`). The integer program takes the budget as a hard row instead. Results are
+`BudgetResult` records; the public error is raised once, with the whole story, by
+`solve`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tapas_jax.options import format_bytes
 from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
                                      memory_used)
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, evaluate_tables
 
-__all__ = ["BudgetResult", "InfeasibleBudgetError", "budget_error", "fit_budget", "repair",
-           "within_budget"]
+__all__ = ["BudgetResult", "InfeasibleBudgetError", "best_of", "budget_error", "fit_budget",
+           "repair", "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,36 @@ def within_budget(problem: Problem, acts: Activations, initial: BudgetResult,
                              largest_live=largest_live(problem, acts, choice))
 
 
+def best_of(problem: Problem, acts: Activations, result: BudgetResult,
+            incumbents: Sequence[Mapping[int, int]], tables: list[Table],
+            memory: list[Table], budget: float) -> BudgetResult:
+  """The fastest of the search's plan and the incumbents that fit the budget.
+
+  A Lagrange weight on a moving peak can miss plans that fit (or find none at all);
+  the expert layouts (`experts.incumbents`) are points of the same space, costed by the
+  same tables, so the search never returns slower than one that fits. When nothing
+  fits, the leanest of them all, for the error.
+  """
+  best, best_s = result, (evaluate_tables(tables, result.assignment)[0]
+                          if result.fits and result.assignment is not None else math.inf)
+  leanest = None
+  for assignment in incumbents:
+    step_s = evaluate_tables(tables, assignment)[0]
+    if best.fits and step_s >= best_s:
+      continue  # the peak is the dear part: found only for an incumbent that could win
+    used, _, choice = memory_used(problem, acts, memory, assignment)
+    if used <= budget:
+      best, best_s = BudgetResult(dict(assignment), fits=True, used_bytes=used,
+                                  status=result.status), step_s
+    elif not best.fits and used < best.used_bytes and (leanest is None or used < leanest[0]):
+      leanest = (used, assignment, choice)
+  if best.fits or leanest is None:
+    return best
+  used, assignment, choice = leanest
+  return BudgetResult(dict(assignment), fits=False, used_bytes=used,
+                      largest_live=largest_live(problem, acts, choice), status=result.status)
+
+
 def repair(problem: Problem, acts: Activations, assignment, tables, memory, budget,
            sizes, rounds: int = 4) -> dict[int, int]:
   """Greedy single-class moves that make a budgeted plan faster and keep it in budget.
@@ -148,22 +181,29 @@ def repair(problem: Problem, acts: Activations, assignment, tables, memory, budg
   return assignment
 
 
-def fit_budget(run: Callable[[float], Mapping[int, int]], memory: list[Table],
-               budget: float) -> BudgetResult:
+def fit_budget(run: Callable[[float], Mapping[int, int]],
+               memory: list[Table] | Sequence[list[Table]], budget: float) -> BudgetResult:
   """Bisection on the Lagrange weight of the memory tables until the plan fits them.
 
   Args:
     run: Lagrange weight -> the plan minimising time + weight * memory.
+    memory: the memory tables of one peak, or a sequence of them (one per peak posed):
+      a plan fits when it fits at every one.
 
   Returns:
     The fastest plan found that fits, with its weight; or, when no weight makes a plan
     fit, the leanest one reached (`fits=False`).
   """
+  peaks = [memory] if not memory or isinstance(memory[0], Table) else list(memory)
+
+  def used_by(assignment):
+    return max(evaluate_tables(m, assignment)[0] for m in peaks)
+
   lo, hi = 0.0, 1e-12
   best = None
   for _ in range(60):
     assignment = run(hi)
-    used = evaluate_tables(memory, assignment)[0]
+    used = used_by(assignment)
     if used <= budget:
       best = BudgetResult(assignment, fits=True, weight=hi, used_bytes=used)
       break
@@ -173,7 +213,7 @@ def fit_budget(run: Callable[[float], Mapping[int, int]], memory: list[Table],
   for _ in range(30):
     mid = (lo + hi) / 2
     assignment = run(mid)
-    used = evaluate_tables(memory, assignment)[0]
+    used = used_by(assignment)
     if used <= budget:
       hi, best = mid, BudgetResult(assignment, fits=True, weight=mid, used_bytes=used)
     else:
@@ -201,12 +241,12 @@ def budget_error(problem: Problem, budget: float, reached: float,
   floor = sum(r[0] for r in rows)
   top = ", ".join(f"{p} {t} ({b / 2**20:.1f} MiB)" for b, p, t in rows[:5])
   return InfeasibleBudgetError(
-      f"search: memory_budget={budget / 2**30:.3f} GiB per device cannot be met on mesh "
+      f"search: memory_budget={format_bytes(budget)} per device cannot be met on mesh "
       f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}: "
-      + (f"the leanest plan found takes {reached / 2**30:.3f} GiB (inputs and the "
+      + (f"the leanest plan found takes {format_bytes(reached)} (inputs and the "
          "intermediates live at the activation peak); " if math.isfinite(reached) else "")
       + "even splitting "
-      f"every dimension as far as the mesh allows leaves {floor / 2**30:.3f} GiB of "
+      f"every dimension as far as the mesh allows leaves {format_bytes(floor)} of "
       f"inputs per device. Largest inputs per device: {top}."
       + (f" Largest intermediates at the peak: {live}." if live else "")
       + " Raise the budget, use a bigger mesh, let the batch split over more mesh axes "

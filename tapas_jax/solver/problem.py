@@ -266,14 +266,16 @@ def _state_pairs(graph: Graph, canon: Mapping[int, int]) -> tuple[tuple[int, int
 
 
 def _pointwise(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
-  """Every tensor operand and result has one shape and the same factor on each dim."""
+  """Every tensor operand and result has one shape and the same factor on each dim (no
+  factor only on a dim of size 1: a 1x1 convolution's kernel is updated pointwise too)."""
   if rule.reduce or not op.outputs or op.subregions:
     return False
   shape = graph.types[op.outputs[0]].shape
   if not shape or any(graph.types[v].shape != shape for v in op.outputs):
     return False
   dims = rule.outputs[0]
-  if None in dims or any(d != dims for d in rule.outputs):
+  if any(f is None and n != 1 for f, n in zip(dims, shape)) or \
+      any(d != dims for d in rule.outputs):
     return False
   for v, d in zip(op.inputs, rule.inputs):
     if v in graph.literals or not graph.types[v].shape:

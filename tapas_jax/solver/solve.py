@@ -31,7 +31,8 @@ from typing import Mapping
 import numpy as np
 
 from tapas_jax import cost as costlib
-from tapas_jax.solver.budget import (BudgetResult, budget_error, fit_budget, repair,
+from tapas_jax.solver import experts
+from tapas_jax.solver.budget import (BudgetResult, best_of, budget_error, fit_budget, repair,
                                      within_budget)
 from tapas_jax.solver.explain import Reason, reasons
 from tapas_jax.solver.eliminate import (Schedule, TooEntangled, merge, merge_into,
@@ -111,12 +112,13 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   tables = all_tables(problem, builder)
   objective = _Objective(problem, tables, memory_tables(problem))
   acts = activations(problem) if memory_budget is not None else None
+  incumbents = experts.incumbents(problem) if acts is not None else ()
 
   def attempt(tables, acts):
     posed = _Objective(problem, tables, objective.memory)
     if solver == "elimination":
-      return _by_elimination(problem, posed, acts, memory_budget)
-    return _by_ilp(problem, posed, acts, memory_budget, time_limit)
+      return _by_elimination(problem, posed, acts, memory_budget, incumbents)
+    return _by_ilp(problem, posed, acts, memory_budget, time_limit, incumbents)
 
   modes = {}
   if acts is not None and folded is not None:
@@ -201,9 +203,11 @@ class _Weighted:
     return run
 
 
-def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> BudgetResult:
+def _by_elimination(problem: Problem, objective: _Objective, acts, budget,
+                    incumbents=()) -> BudgetResult:
   """Exact elimination over every axis subset, or over fewer when that is too entangled
-  (e.g. ResNet's many channel classes on a 3-D mesh), said in the status."""
+  (e.g. ResNet's many channel classes on a 3-D mesh), said in the status. Under a
+  budget, the fastest of its plan and the `incumbents` that fit is repaired."""
   for level in ("full", "single-axis", "batch-only"):
     keep = reduced_domains(problem, level)
     sizes = {c: len(k) for c, k in keep.items() if len(k) > 1}
@@ -213,10 +217,16 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
       result = BudgetResult(weighted.run(), fits=True, status=status)
       if acts is None:
         return result
-      result = within_budget(  # the Lagrange weight on the newest peak's tables
+      # One Lagrange weight on the sum of every peak posed so far, the plan checked at
+      # each: posed on the newest peak alone, the plan can swing between two peaks,
+      # lean at one and over at the other, round after round.
+      result = within_budget(
           problem, acts, result, objective.memory, budget,
           lambda posed, weighted=weighted, status=status: dataclasses.replace(
-              fit_budget(weighted.at(posed[-1]), posed[-1], budget), status=status))
+              fit_budget(weighted.at([t for peak in posed for t in peak]), posed, budget),
+              status=status))
+      result = best_of(problem, acts, result, incumbents, objective.tables,
+                       objective.memory, budget)
       if not result.fits:
         return result
       return dataclasses.replace(result, assignment=repair(
@@ -227,9 +237,10 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget) -> Bu
   raise RuntimeError("search: the dimension classes are too entangled to solve")
 
 
-def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
-            ) -> BudgetResult:
-  """The integer program, with a budget row at every activation peak it has met."""
+def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit,
+            incumbents=()) -> BudgetResult:
+  """The integer program, with a budget row at every activation peak it has met; the
+  `incumbents` that fit where the peak moves past the rows posed (`best_of`)."""
   sizes = objective.domain_size
   factors = objective.factors()
 
@@ -245,8 +256,10 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit
   if acts is None:
     return first
   # A hard row per peak posed so far: the plan must fit at every one of them.
-  return within_budget(problem, acts, first, objective.memory, budget,
-                       lambda posed: ilp(posed, budget))
+  result = within_budget(problem, acts, first, objective.memory, budget,
+                         lambda posed: ilp(posed, budget))
+  return best_of(problem, acts, result, incumbents, objective.tables, objective.memory,
+                 budget)
 
 
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],

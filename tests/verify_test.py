@@ -1,0 +1,244 @@
+"""tapas.verify: the compiler's figures of a plan, and the search the compiler checks.
+
+The TPU tests compile for TPU topologies through libtpu (no TPU attached); where libtpu
+cannot be loaded they skip, saying so.
+"""
+
+import importlib
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tapas_jax as tapas
+from tapas_jax import baselines, measure, models
+
+verifylib = importlib.import_module("tapas_jax.verify")  # tapas.verify is the function
+
+S = jax.ShapeDtypeStruct
+ARGS = (S((256, 256), jnp.float32), S((1024, 256), jnp.float32))
+
+
+def _loss(w, x):
+  return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+@pytest.fixture
+def libtpu():
+  return pytest.importorskip(
+      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
+      "compiler tests are skipped")
+
+
+def _direct(plan, fn, args, mesh, donate=()):
+  """The same applied plan compiled by hand."""
+  return tapas.apply(plan, fn, mesh=mesh, donate_argnums=donate).lower(*args).compile()
+
+
+def _pinned(record, compiled, num_devices, as_compiled=False):
+  mem = compiled.memory_analysis()
+  assert (record.argument_bytes, record.temp_bytes, record.output_bytes,
+          record.alias_bytes) == (mem.argument_size_in_bytes, mem.temp_size_in_bytes,
+                                  mem.output_size_in_bytes, mem.alias_size_in_bytes)
+  assert record.peak_bytes == (mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                               + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+  assert record.comm_bytes == measure.collective_bytes(
+      compiled.as_text(), num_devices, reduce_scatter_creator=not as_compiled)
+  assert record.flops == compiled.cost_analysis()["flops"] > 0
+
+
+def test_verify_on_local_devices_is_a_direct_compile():
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 2, "model": 4}, device="cpu")
+  record = tapas.verify(plan, _loss, *ARGS)
+  _pinned(record, _direct(plan, _loss, ARGS, tapas.make_mesh(dict(plan.mesh_axes))), 8)
+  assert record.target == "local cpu" and record.num_devices == 8 and record.compiled
+  assert record.hbm_source == "profile" and record.fits
+  assert record.memory_ratio == pytest.approx(plan.stats.predicted_memory_bytes
+                                              / record.peak_bytes)
+  assert "peak memory" in record.summary() and "<table>" in record._repr_html_()
+
+
+def test_verify_judges_the_fit_against_a_given_memory():
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 8}, device="cpu")
+  record = tapas.verify(plan, _loss, *ARGS, hbm_bytes="64KiB")
+  assert not record.fits and record.hbm_source == "given"
+  assert record.missing_bytes == record.peak_bytes - 64 * 2**10 > 0
+  assert "DOES NOT FIT" in record.summary() and "KiB short" in record.summary()
+
+
+def test_a_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")
+  with pytest.raises(verifylib.LibtpuMissingError, match=r"pip install 'tapas_jax\[tpu\]'"):
+    tapas.verify(plan, _loss, *ARGS, topology="v5e:2x2")
+
+
+@pytest.mark.parametrize("topology,message", [
+    ("v5p", r"topology='v5p' is not a TPU topology name.*'v5e:2x2'"),
+    (4, r"topology=4 is not a TPU topology name")])
+def test_a_bad_topology_name_is_refused_before_compiling(topology, message):
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")
+  with pytest.raises(ValueError, match=message):
+    tapas.verify(plan, _loss, *ARGS, topology=topology)
+
+
+def test_a_topology_libtpu_does_not_know_is_named(libtpu):
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")
+  with pytest.raises(ValueError, match=r"topology='v9z:2x2' is not one libtpu knows"):
+    tapas.verify(plan, _loss, *ARGS, topology="v9z:2x2")
+
+
+@pytest.mark.parametrize("message,need,have", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+     "temporaries (26.84G) exceeds available HBM (15.75G).", 26.84 * 2**30, 15.75 * 2**30),
+    ("RESOURCE_EXHAUSTED: Used 101.50G of 95.74G hbm. Exceeded hbm capacity by 5.76G.",
+     101.5 * 2**30, 95.74 * 2**30),
+    ("RESOURCE_EXHAUSTED: something else", None, None)])
+def test_the_compilers_out_of_memory_message_is_read(message, need, have):
+  got = verifylib.parse_out_of_memory(message)
+  assert got == (None if need is None else pytest.approx((need, have)))
+
+
+def test_tpu_figures_are_a_direct_tpu_compile(libtpu):
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plan = baselines.baseline("fsdp", *args, mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  record = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1", donate_argnums=0)
+  mesh = verifylib.tpu_mesh("v5p:2x2x1", plan.mesh_axes)
+  _pinned(record, _direct(plan, args[0], args[1:], mesh, donate=0), 4, as_compiled=True)
+  assert record.device_kind == "TPU v5" and record.hbm_bytes == 95.74 * 2**30
+  assert record.hbm_source == "compiler" and record.fits and record.alias_bytes > 0
+  assert record.comm_bytes["all-gather"] > 0  # FSDP gathers its parameters
+  assert record.comm_bytes[measure.SLICED] == 0  # counted as compiled
+
+
+def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):
+  def big(x):  # 10 GB of state (kept whole by data parallel) and 10 GB temporaries on
+    return x - jnp.sin(x) @ jnp.cos(x)  # a 15.75 GiB v5e
+  x = S((50000, 50000), jnp.float32)
+  with pytest.warns(UserWarning, match="would not fit"):  # the model agrees
+    plan = baselines.baseline("data_parallel", big, x, mesh={"data": 4}, device="tpu-v5e")
+  record = tapas.verify(plan, big, x, topology="v5e:2x2")
+  assert not record.compiled and not record.fits and "RESOURCE_EXHAUSTED" in record.error
+  assert record.hbm_bytes == pytest.approx(15.75 * 2**30)
+  assert record.missing_bytes == pytest.approx(record.temp_bytes - 15.75 * 2**30)
+  assert record.missing_bytes > 2**30
+  assert "DOES NOT FIT" in record.summary() and "at least" in record.summary()
+  assert record.argument_bytes == 0 and record.flops == 0 and record.comm_bytes == {}
+
+
+def test_a_topology_of_another_size_is_refused(libtpu):
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 8}, device="cpu")
+  with pytest.raises(ValueError, match=r"mesh \{'data': 8\} has 8 devices, topology "
+                     r"'v5e:2x2' has 4"):
+    tapas.verify(plan, _loss, *ARGS, topology="v5e:2x2")
+
+
+def _leanest_compiled(args, mesh, topology):
+  """What the TPU compiler makes of the leanest plan the model knows."""
+  with pytest.raises(tapas.InfeasibleBudgetError) as e:
+    tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=1)
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p",
+                      memory_budget=e.value.leanest_bytes * (1 + 1e-9))
+  return tapas.verify(plan, *args, topology=topology,
+                      donate_argnums=0).peak_bytes
+
+
+def test_search_verify_searches_again_until_the_compiler_accepts(libtpu, tmp_path):
+  # At tiny widths the TPU compiler pads small dims to its (8, 128) tiles: a plan
+  # predicted under 20 MiB compiles to 32-35 MiB (libtpu 0.0.42 / 0.0.50), the leanest
+  # one to 15-21 MiB. The budget sits above the leanest's compiled figure, so the
+  # compiler refuses the first plan and accepts a later one, on every jax line.
+  m = models.get_model("gpt", "tiny")
+  mesh = {"data": 2, "model": 2}
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(64))
+  budget = max(20 * 2**20, _leanest_compiled(args, mesh, "v5p:2x2x1") + 2 * 2**20)
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=budget,
+                      verify="v5p:2x2x1")
+  rounds = plan.compiled.rounds
+  assert len(rounds) >= 2
+  first_budget, first_predicted, first_compiled = rounds[0]
+  assert first_budget == budget and first_predicted <= first_budget < first_compiled
+  assert rounds[-1][2] <= budget and rounds[-1][0] < first_budget
+  assert plan.compiled.fits and plan.compiled.peak_bytes == rounds[-1][2]
+  assert plan.compiled.hbm_bytes == budget  # judged against the budget, not the chip
+  assert plan.stats.predicted_memory_bytes == rounds[-1][1]
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  assert tapas.Plan.load(path).compiled == plan.compiled
+  assert "compiled for v5p:2x2x1: fits" in plan.summary()
+
+
+def test_search_verify_says_by_how_much_the_leanest_failed(libtpu):
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  with pytest.raises(tapas.InfeasibleBudgetError,
+                     match=r"no plan compiled within 4.00 MiB per device \(memory_budget\); "
+                     r"the leanest needs [\d.]+ MiB, [\d.]+ MiB too much. round 1") as e:
+    tapas.search(*args, mesh={"data": 2, "model": 2}, device="tpu-v5p",
+                 memory_budget="4MiB", verify="v5p:2x2x1")
+  assert e.value.budget_bytes == 4 * 2**20 and e.value.leanest_bytes > 4 * 2**20
+  assert math.isfinite(e.value.leanest_bytes)
+
+
+def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: float = math.inf):
+  """A stand-in for the TPU compile: the predicted peak plus a fixed `overhead`, as the
+  TPU compiler's tile padding adds at tiny widths; refused (RESOURCE_EXHAUSTED) over
+  `refuse_over`. Counts its calls."""
+  calls = []
+
+  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs):
+    peak = plan.stats.predicted_memory_bytes + overhead
+    calls.append(peak)
+    refused = peak > refuse_over
+    return verifylib.Verified(
+        plan_name=plan.name, target=topology, device_kind="TPU v5", num_devices=4,
+        argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=int(peak),
+        hbm_bytes=refuse_over if refused else hbm, hbm_source="compiler",
+        comm_bytes={"total": 0.0}, flops=1.0,
+        predicted_memory_bytes=plan.stats.predicted_memory_bytes,
+        predicted_comm_bytes=0.0, compile_s=0.0,
+        error="RESOURCE_EXHAUSTED: ..." if refused else "")
+  return compile_for, calls
+
+
+BIG = (S((2048, 2048), jnp.float32), S((256, 2048), jnp.float32))
+
+
+def _sgd(w, x):
+  g = jax.grad(_loss)(w, x)
+  return w - 0.1 * g
+
+
+def test_the_search_again_loop_lowers_the_budget_by_what_was_missing(monkeypatch):
+  # Independent of libtpu and of the memory model: the compiler is a stand-in that adds
+  # almost all the room between the leanest plan and the budget.
+  mesh = {"data": 2, "model": 2}
+  free = tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
+  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
+    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
+  leanest = lean.value.leanest_bytes
+  budget = (free.stats.predicted_memory_bytes + leanest) / 2
+  compile_for, calls = _fake_compiler(overhead=0.98 * (budget - leanest))
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  plan = tapas.search(_sgd, *BIG, mesh=mesh, memory_budget=budget, verify="v5p:2x2x1")
+  rounds = plan.compiled.rounds
+  assert len(rounds) == len(calls) >= 2 and plan.device == "tpu-v5p"
+  assert rounds[0][0] == budget and rounds[0][2] > budget  # predicted fits, compiled not
+  for (b0, p0, c0), (b1, _, _) in zip(rounds, rounds[1:]):
+    assert b1 == pytest.approx(min(b0, p0) - (c0 - budget))  # lowered by what was missing
+  assert rounds[-1][2] <= budget and plan.compiled.fits
+  assert [r[2] for r in rounds] == [int(c) for c in calls]  # each compile, in order
+
+
+def test_the_search_again_loop_gives_up_saying_by_how_much(monkeypatch):
+  compile_for, calls = _fake_compiler(overhead=64 * 2**20, refuse_over=16 * 2**20)
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  with pytest.raises(tapas.InfeasibleBudgetError,
+                     match=r"no plan compiled within 16.00 MiB per device \(the usable HBM of "
+                     r"v5p:2x2x1\); the leanest needs [\d.]+ MiB, [\d.]+ MiB too much\. "
+                     r"round 1: .*\(the compiler refused it\)") as e:
+    tapas.search(_sgd, *BIG, mesh={"data": 2, "model": 2}, verify="v5p:2x2x1")
+  assert e.value.budget_bytes == 16 * 2**20 and e.value.leanest_bytes == min(calls)

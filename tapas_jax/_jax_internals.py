@@ -300,8 +300,11 @@ class ScanCounts:
 
 
 def scan_counts(params: Mapping[str, Any]) -> ScanCounts | None:
-  """`ScanCounts` of a scan equation's params; None where the release does not say
-  (jax 0.11 dropped `num_consts`/`num_carry`: callers tell operands apart by shape).
+  """`ScanCounts` of a scan equation's params; None where the release does not say.
+
+  jax 0.11 dropped `num_consts`/`num_carry`: there the operands' flat tree `ft_in`
+  (consts, carry, xs) says it, where it unpacks; else callers tell operands apart by
+  shape.
 
   Example:
     >>> scan_counts({"num_consts": 1, "num_carry": 2, "length": 8})
@@ -310,6 +313,12 @@ def scan_counts(params: Mapping[str, Any]) -> ScanCounts | None:
     True
   """
   consts, carry = params.get("num_consts"), params.get("num_carry")
+  if (consts is None or carry is None) and "ft_in" in params:
+    try:
+      parts = params["ft_in"].unpack()
+      consts, carry = (len(list(p.vals)) for p in parts[:2])
+    except (AttributeError, TypeError, ValueError):
+      return None
   if consts is None or carry is None:
     return None
   return ScanCounts(int(consts), int(carry))

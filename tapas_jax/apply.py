@@ -335,10 +335,13 @@ def _check_program(plan: planlib.Plan, graph) -> None:
 
 
 def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
-               remat: "_Recompute | None" = None) -> list[Any]:
+               remat: "_Recompute | None" = None, given: Mapping | None = None
+               ) -> list[Any]:
   """Evaluates a jaxpr, pinning the operands `pins` names; inlines call-like equations
   exactly as `trace` does, so equation sites match `Op.site`. With `remat`, backward
-  equations of rematerialised layers read recomputed forward values."""
+  equations of rematerialised layers read recomputed forward values, and the loops of
+  rematerialised scanned stacks run rematerialised. `given`: site -> the outputs of the
+  equation there, used instead of running it (saved values a recomputation reads)."""
   env: dict = {}
 
   def read(atom):
@@ -354,10 +357,16 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
     for slot, sharding in pins.get(here, ()):
       invals[slot] = _pinned(invals[slot], sharding, memo)
     subs = list(jx.sub_jaxprs(eqn))
-    if len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
+    loop = remat.loop(here) if remat is not None else None
+    if given and here in given:
+      outs = given[here]
+    elif loop is not None:
+      outs = loop.run(here, eqn, invals)
+    elif len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
       key, idx, sub = subs[0]
       body, body_consts = jx.open_jaxpr(sub)
-      outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat)
+      outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat,
+                        given)
     else:
       outs = jx.bind_eqn(eqn, invals)
     env.update(zip(eqn.outvars, outs))
@@ -387,8 +396,12 @@ class _Recompute:
   the backward reaches the layer.
   """
 
-  def __init__(self, graph, remats, pins):
+  def __init__(self, graph, remats, pins, scans=()):
     self.graph, self.remats, self.pins = graph, remats, pins
+    self.loops: dict[tuple, _ScanRecompute] = {}
+    for r, region in scans:
+      s = _ScanRecompute(graph, r, region)
+      self.loops[graph.ops[r.forward].site] = self.loops[graph.ops[r.backward].site] = s
     self.capture = {graph.ops[i].site: i for r in remats for i in r.recompute}
     self.readers: dict[tuple, tuple[int, list[tuple[int, int]]]] = {}
     for k, r in enumerate(remats):
@@ -418,7 +431,14 @@ class _Recompute:
                          f"this program's unique layers are {sorted(names)}. Search again "
                          "on this program.")
       remats += rematlib.layer_remats(folded, names[layer], policy)
-    return cls(graph, remats, pins)
+    from tapas_jax.solver import views  # noqa: PLC0415 - as above
+    scans = [r for r in remats if isinstance(r, rematlib.ScanRemat)]
+    return cls(graph, [r for r in remats if r not in scans], pins,
+               [(r, views.scan_region(graph, graph.ops[r.forward])) for r in scans])
+
+  def loop(self, site: tuple) -> "_ScanRecompute | None":
+    """The rematerialised scanned stack whose forward or backward loop sits here."""
+    return self.loops.get(site)
 
   def read(self, site: tuple, eqn, invals: list[Any]) -> list[Any]:
     """The operands an equation reads: recomputed copies where the plan says so."""
@@ -470,6 +490,117 @@ class _Recompute:
         ins[slot] = jax.lax.with_sharding_constraint(ins[slot], sharding)
       copies.update(zip(op.outputs, jx.bind_eqn(eqn, ins)))
     return copies, list(anchors)
+
+
+class _ScanRecompute:
+  """One scanned stack's rematerialisation (`solver.remat.ScanRemat`), done on its two
+  loops as `jax.checkpoint` around the scan's body would have done it.
+
+  The forward loop runs its body as before but writes out only the residuals kept (and
+  the carries the recomputation reads, stacked); the backward loop's body first runs
+  the forward body again on its iteration's slice of what was kept, the kept residuals
+  standing in for the equations that made them, and reads the dropped residuals from
+  there. Each loop is run with `jax.lax.scan` on the same body jaxprs, so the numbers
+  are the program's own.
+  """
+
+  def __init__(self, graph, r, region):
+    self.graph, self.r, self.region = graph, r, region
+    self.f_eqn = None
+    self.forward_site = graph.ops[r.forward].site
+    self.backward_site = graph.ops[r.backward].site
+    self.consts: list[Any] = []
+    self.xs: list[Any] = []
+    self.init: list[Any] = []
+    self.stacked: list[Any] = []
+
+  def run(self, site: tuple, eqn, invals: list[Any]) -> list[Any]:
+    if site == self.forward_site:
+      return self._forward(eqn, invals)
+    return self._backward(eqn, invals)
+
+  @staticmethod
+  def _parts(eqn):
+    counts = jx.scan_counts(eqn.params)
+    body, body_consts = jx.open_jaxpr(eqn.params["jaxpr"])
+    return counts.num_consts, counts.num_carry, body, body_consts
+
+  def _forward(self, eqn, invals):
+    nc, ncarry, body, body_consts = self._parts(eqn)
+    self.f_eqn = eqn
+    self.consts, self.init = invals[:nc], invals[nc:nc + ncarry]
+    self.xs = invals[nc + ncarry:]
+    dropped = {s for _, s in self.r.dropped}
+    keep = [s for s in range(ncarry, len(eqn.outvars)) if s not in dropped]
+    consts, carries = self.consts, self.r.carries
+
+    def step(carry, x):
+      outs = _interpret(body, body_consts, list(consts) + list(carry) + list(x), (), {}, {})
+      return list(outs[:ncarry]), [outs[s] for s in keep] + [carry[c] for c in carries]
+
+    carry, ys = jax.lax.scan(step, list(self.init), list(self.xs),
+                             length=eqn.params["length"], reverse=eqn.params["reverse"])
+    self.stacked = ys[len(keep):]
+    outs: list[Any] = list(carry) + [None] * (len(eqn.outvars) - ncarry)
+    for s, y in zip(keep, ys):
+      outs[s] = y
+    return outs
+
+  def _backward(self, eqn, invals):
+    g, r = self.graph, self.r
+    nc, ncarry, body, body_consts = self._parts(eqn)
+    fnc, fncarry, fbody, fbody_consts = self._parts(self.f_eqn)
+    fr = self.region
+    carry_in = fr.inputs[fnc:fnc + fncarry]
+    consts, xs = invals[:nc], invals[nc + ncarry:]
+    fconsts, fxs, init, stacked = self.consts, self.xs, self.init, self.stacked
+    # An operand both loops read is taken as the backward reads it (a recomputed copy
+    # where the layer around the loop is rematerialised too): the forward's own copy
+    # need not live until the backward.
+    fop, bop = g.ops[r.forward], g.ops[r.backward]
+    mine = {v: invals[j] for j, v in enumerate(bop.inputs) if v not in g.literals}
+    fin = [mine.get(v, x) for v, x in zip(fop.inputs, list(fconsts) + list(init) + list(fxs))]
+    fconsts, fxs = fin[:fnc], fin[fnc + fncarry:]
+    kept = [j for j, _ in r.kept]
+    # Saved values the recomputation reads: the kept residuals' slices, standing in for
+    # the body equations (or the body inputs) that made them.
+    kept_values = {fr.outputs[s]: n for n, (_, s) in enumerate(r.kept)}
+    dropped = [(j, s) for j, s in r.dropped]
+
+    def step(carry, x):
+      bx, fx, kx, cx = x
+      fin_carry = []
+      for c, v in enumerate(carry_in):
+        if c in r.carries:
+          fin_carry.append(cx[r.carries.index(c)])
+        elif v in kept_values:
+          fin_carry.append(kx[kept_values[v]])
+        else:  # not read by anything recomputed
+          fin_carry.append(jax.numpy.zeros_like(init[c]))
+      given = {}
+      for v, n in kept_values.items():
+        p = g.producer.get(v)
+        if p is not None and g.ops[p].region == fr.index and len(g.ops[p].outputs) == 1:
+          given[g.ops[p].site] = [kx[n]]
+      fouts = _interpret(fbody, fbody_consts, list(fconsts) + fin_carry + list(fx),
+                         self.forward_site + ("jaxpr", 0), {}, {}, given=given)
+      xs_in = list(bx)
+      for j, s in dropped:
+        xs_in[j - nc - ncarry] = fouts[s]
+      outs = _interpret(body, body_consts, list(consts) + list(carry) + xs_in, (), {}, {})
+      return list(outs[:ncarry]), list(outs[ncarry:])
+
+    bx = [None if j + nc + ncarry in {d for d, _ in dropped} else x
+          for j, x in enumerate(xs)]
+    kx = [invals[j] for j in kept]
+    # The dropped slots travel as zero-size placeholders: scan wants arrays.
+    placeholder = jax.numpy.zeros((eqn.params["length"], 0))
+    bx = [placeholder if x is None else x for x in bx]
+    carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]),
+                             (bx, list(fxs), kx, list(stacked)),
+                             length=eqn.params["length"], reverse=eqn.params["reverse"])
+    return list(carry) + list(ys)
+
 
 
 def remat_policy(plan: planlib.Plan, layer: str):

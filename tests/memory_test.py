@@ -154,13 +154,19 @@ def test_predicted_memory_is_within_20_percent_of_xla(family, kind):
 
 
 # Layers stacked under one scan: its forward writes out every layer's residuals, one
-# slice per iteration, and its backward reads them (measured: search 41.2 / 39.2 MiB,
-# data parallel 9.7 / 9.5; 9.9 / 4.6 MiB predicted before the scan's outputs counted).
-@pytest.mark.parametrize("kind", ["search", "data_parallel"])
-def test_a_scanned_stack_is_predicted_within_20_percent_of_xla(kind):
-  predicted, compiled = compiled_case("llama", kind, num_layers=8, seq_len=64,
+# slice per iteration, and its backward reads them; while each loop runs, one
+# iteration's activations at the body's own peak are live. Measured at 2 / 4 / 8
+# layers (scripts/bench_scan.py depth; predicted / XLA:CPU MiB): search 13.39 / 12.45,
+# 22.03 / 21.37, 39.32 / 39.23; data parallel 2.79 / 3.17, 4.89 / 5.27, 9.10 / 9.48 (a
+# constant ~0.35 MiB under, not found). Before the body's peak, every value one
+# iteration writes was counted at once: search 1.12 / 1.05 at 4 / 8 layers, data
+# parallel 1.02 at 8; before the scan's outputs counted, 0.25.
+@pytest.mark.parametrize("kind, rel", [("search", 0.1), ("data_parallel", 0.15)])
+@pytest.mark.parametrize("layers", [2, 4, 8])
+def test_a_scanned_stack_is_predicted_near_xla_at_every_depth(kind, rel, layers):
+  predicted, compiled = compiled_case("llama", kind, num_layers=layers, seq_len=64,
                                       scan_layers=True)
-  assert predicted == pytest.approx(compiled, rel=0.2)
+  assert predicted == pytest.approx(compiled, rel=rel)
 
 
 def test_a_scan_s_stacked_residuals_are_live_until_its_backward_reads_them():

@@ -477,10 +477,12 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
 
 
 def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
-  """(value, classes as made) of what one iteration of a counted loop writes out,
-  counted live together while the loop runs: an upper bound of the body's own peak
-  (the blocks of a chunked attention's scores, say). A copy of a layer the view folds
-  away is costed as its representative's loop."""
+  """(value, classes as made) of what one iteration of a counted loop writes out and
+  holds at the body's own peak (whole bytes, in body order: each value from the op
+  making it to its last reader in the body, the body's outputs to its end), counted
+  live together while the loop runs (the blocks of a chunked attention's scores; a
+  scanned layer's activations). A copy of a layer the view folds away is costed as
+  its representative's loop."""
   g = problem.graph
   rep = g.ops[problem.view.op_canon.get(op.index, op.index)]
   region = scan_region(g, rep)
@@ -490,8 +492,10 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
   live = live_ops(g, body, region.outputs)
   fused = fused_values(g, body, live, region.outputs,
                       reductions_duplicate=problem.profile.reductions_duplicate)
-  out = []
-  for o in body:
+  out, span = [], []
+  pos = {o.index: j for j, o in enumerate(body)}
+  outputs = set(region.outputs)
+  for j, o in enumerate(body):
     rule = problem.rules.get(o.index)
     if rule is None or o.index not in live:
       continue
@@ -501,7 +505,16 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
         continue
       out.append((v, tuple(None if f is None else problem.vclass(v, d)
                            for d, f in enumerate(rule.outputs[slot]))))
-  return out
+      last = len(body) if v in outputs else max(
+          [pos[c] for c in g.consumers.get(v, ()) if c in pos], default=j)
+      span.append((j, last))
+  if not out:
+    return out
+  live_bytes = np.zeros(len(body) + 2)
+  for (v, _), (a, b) in zip(out, span):
+    live_bytes[a:b + 1] += g.types[v].nbytes
+  at = int(np.argmax(live_bytes))
+  return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
 
 
 # Ops XLA runs in place: the result takes over the buffer of operand 0 when that is
@@ -637,6 +650,8 @@ def largest_live(problem: Problem, acts: Activations, choice, top: int = 3) -> s
     if v in g.producer:
       op = g.ops[g.producer[v]]
       what = f"{op.name_stack or '(top)'}/{op.primitive}"
+    elif v not in g.input_path:  # a loop body's input, written out per iteration
+      what = "a scanned stack's carry, stacked for its recomputation"
     elif acts.unless_of(k):
       what = f"{g.input_path[v]} copied before its in-place update"
     else:

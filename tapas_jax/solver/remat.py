@@ -20,8 +20,16 @@ its own sharding solved under the budget, and keeps the fastest plan that fits.
 Approximations (stated, not hidden):
 - the recomputed copies are counted live from the layer's first backward read of a
   recomputed value to their last backward reader; XLA may schedule them otherwise;
-- ops holding loops or branches (a scanned layer stack among them) are never
-  recomputed: they stay saved, so a `nn.scan` stack gets no remat here;
+- ops holding loops or branches are never recomputed whole: they stay saved. A
+  scanned layer stack (`nn.scan`, `lax.scan`) is rematerialised inside its body
+  instead (`ScanRemat`): its forward loop stops writing out the stacked residuals the
+  policy does not save, and its backward loop recomputes them per iteration from what
+  stays (the layer's input, the parameters' slices). Under `dots_saveable` a dot output
+  the forward loop does not already write out is recomputed too (nothing new is
+  written out but a carry's per-iteration value). Needs the scan's operand counts,
+  which jax 0.11+ records only in its flat trees (`_jax_internals.scan_counts`); the
+  forward loop's operands the backward loop does not read are not kept longer in the
+  model, though the recomputation reads them;
 - without a budget remat only costs time, so it is chosen only under a budget;
 - the originals' new last reader is the last reader left, without the reach a value
   gets from fused readers (`memory.activations`); a recomputed value the activation
@@ -51,14 +59,17 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
+from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.memory import Activations
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
+from tapas_jax.solver.views import scan_region
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["POLICIES", "InstanceRemat", "choose", "instance_remat", "layer_remats",
-           "recompute_tables", "with_remat"]
+__all__ = ["POLICIES", "InstanceRemat", "ScanRemat", "choose", "instance_remat",
+           "layer_remats", "recompute_tables", "scan_remat", "with_remat"]
 
 # Policies in order of memory saved; names are `jax.checkpoint_policies` attributes.
 POLICIES = ("everything_saveable", "dots_saveable", "nothing_saveable")
@@ -158,13 +169,109 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
                        param_reads=tuple(param_reads))
 
 
-def layer_remats(folded: Folded, layer: int, policy: str) -> list[InstanceRemat]:
-  """`instance_remat` of every instance of a unique layer (those with something to do)."""
-  out = []
+@dataclasses.dataclass(frozen=True)
+class ScanRemat:
+  """What rematerialising a scanned layer stack recomputes, inside its backward loop.
+
+  Attributes:
+    forward: top-level index of the forward scan (it writes out the stacked residuals).
+    backward: top-level index of the backward scan reading them.
+    dropped: (backward operand slot, forward output slot) of each stacked residual the
+      forward no longer writes out: the backward's body recomputes its slice.
+    kept: (backward operand slot, forward output slot) of the stacked residuals the
+      backward still reads (the recomputation reads their slices).
+    carries: forward carry positions (0-based among the carries) whose per-iteration
+      value the recomputation reads and no kept residual holds: the forward writes
+      them out, stacked.
+    recompute: forward body op indices recomputed in each backward iteration.
+    trip_count: iterations of the loops.
+  """
+
+  forward: int
+  backward: int
+  dropped: tuple[tuple[int, int], ...]
+  kept: tuple[tuple[int, int], ...]
+  carries: tuple[int, ...]
+  recompute: tuple[int, ...]
+  trip_count: int
+  params: tuple[int, ...] = ()  # none gathered again beyond what the backward reads
+
+
+def _scan_loops(graph: Graph, ops: Sequence[int]):
+  """(forward scan, backward scan) pairs among these ops: a backward (transposed) scan
+  reading a forward one's outputs, both with known operand counts."""
+  loops = [i for i in ops if graph.ops[i].region == 0 and scan_region(graph, graph.ops[i])
+           and jx.scan_counts(graph.ops[i].raw_params) is not None]
+  for f in loops:
+    if not is_forward(graph.ops[f]):
+      continue
+    outs = set(graph.ops[f].outputs)
+    for b in loops:
+      if is_backward(graph.ops[b]) and outs & set(graph.ops[b].inputs):
+        yield f, b
+        break
+
+
+def scan_remat(graph: Graph, forward: int, backward: int, policy: str) -> ScanRemat | None:
+  """The recomputation of a scanned stack's body under a policy; None when nothing would
+  be recomputed (everything saved, or no residual only the backward loop reads)."""
+  fop, bop = graph.ops[forward], graph.ops[backward]
+  fr = scan_region(graph, fop)
+  fc, bc = jx.scan_counts(fop.raw_params), jx.scan_counts(bop.raw_params)
+  b_xs = bc.num_consts + bc.num_carry
+  body = {op.index for op in graph.ops if op.region == fr.index}
+  readers = graph.consumers
+  dropped, kept = [], []
+  for s in range(fc.num_carry, len(fop.outputs)):
+    v = fop.outputs[s]
+    slots = [j for j, x in enumerate(bop.inputs) if x == v]
+    if not slots or v in graph.literals or fr.outputs[s] in graph.literals:
+      continue
+    p = graph.producer.get(fr.outputs[s])
+    only_backward = set(readers.get(v, ())) == {backward} and min(slots) >= b_xs
+    if p in body and only_backward and not _saved(graph.ops[p], policy):
+      dropped += [(j, s) for j in slots]
+    else:
+      kept.append((slots[0], s))
+  if not dropped:
+    return None
+  available = {fr.outputs[s] for _, s in kept}
+  recompute, stack, needed = set(), [graph.producer[fr.outputs[s]] for _, s in dropped], set()
+  while stack:
+    p = stack.pop()
+    if p in recompute:
+      continue
+    recompute.add(p)
+    for v in graph.ops[p].inputs:
+      if v in graph.literals or v in available:
+        continue
+      q = graph.producer.get(v)
+      if q in body:
+        stack.append(q)  # saved by the policy, but not written out: recomputed too
+      else:
+        needed.add(v)
+  carry_in = fr.inputs[fc.num_consts:fc.num_consts + fc.num_carry]
+  carries = tuple(c for c, v in enumerate(carry_in) if v in needed)
+  return ScanRemat(forward=forward, backward=backward, dropped=tuple(dropped),
+                   kept=tuple(kept), carries=carries, recompute=tuple(sorted(recompute)),
+                   trip_count=fr.trip_count)
+
+
+def layer_remats(folded: Folded, layer: int, policy: str
+                 ) -> list[InstanceRemat | ScanRemat]:
+  """`instance_remat` of every instance of a unique layer (those with something to do),
+  and `scan_remat` of each scanned stack in it."""
+  out: list[InstanceRemat | ScanRemat] = []
   for k in folded.unique_layers[layer].instances:
-    r = instance_remat(folded.graph, folded.instances[k].ops, policy)
+    ops = folded.instances[k].ops
+    r = instance_remat(folded.graph, ops, policy)
     if r is not None:
       out.append(r)
+    if policy in POLICIES[1:]:
+      for f, b in _scan_loops(folded.graph, ops):
+        s = scan_remat(folded.graph, f, b, policy)
+        if s is not None:
+          out.append(s)
   return out
 
 
@@ -175,6 +282,10 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
   from the instance's first switched read to its last one; a value the recomputation
   reads stays live until then. A parameter's gathered copy (`Activations.stored`)
   dies after the forward and is gathered again for the backward."""
+  scans = [r for r in remats if isinstance(r, ScanRemat)]
+  remats = [r for r in remats if not isinstance(r, ScanRemat)]
+  if scans:
+    acts = _with_scan_remat(problem, acts, scans)
   if not remats:
     return acts
   g = problem.graph
@@ -239,6 +350,59 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
       nbytes=np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
       dims=acts.dims + tuple(extra_dims), values=acts.values + tuple(extra_values),
       stored=tuple(stored) + tuple(extra_stored))
+
+
+def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRemat]
+                     ) -> Activations:
+  """The live ranges once scanned stacks are rematerialised: the dropped stacked
+  residuals are never written (their entries take no bytes), a carry the recomputation
+  reads is written out stacked from the forward loop to the backward one, and one
+  iteration's recomputed values are live with the backward's body (counted as
+  `memory._loop_body_values` counts a body: together, at the loop's position)."""
+  g = problem.graph
+  pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
+  nbytes = acts.nbytes.copy()
+  gone = {g.ops[r.forward].outputs[s] for r in scans for _, s in r.dropped}
+  for k, v in enumerate(acts.values):
+    if v in gone and v in g.producer and g.producer[v] in {r.forward for r in scans}:
+      nbytes[k] = 0.0
+  start, stop, extra_bytes, dims, values = [], [], [], [], []
+
+  def classes(v):
+    if (problem.cv(v), 0) not in problem.value_class:
+      return tuple(None for _ in g.types[v].shape)
+    return tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape)))
+
+  for r in scans:
+    fop = g.ops[r.forward]
+    fr = scan_region(g, fop)
+    consts = jx.scan_counts(fop.raw_params).num_consts
+    for c in r.carries:
+      v = fr.inputs[consts + c]
+      start.append(pos[r.forward])
+      stop.append(pos[r.backward])
+      extra_bytes.append(r.trip_count * g.types[v].nbytes)
+      dims.append((None,) + classes(v))
+      values.append(v)
+    body = [op for op in g.ops if op.region == fr.index]
+    fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
+                         reductions_duplicate=problem.profile.reductions_duplicate)
+    for p in r.recompute:
+      for v in g.ops[p].outputs:
+        if v in fused or not g.types[v].shape:
+          continue
+        start.append(pos[r.backward])
+        stop.append(pos[r.backward])
+        extra_bytes.append(g.types[v].nbytes)
+        dims.append(classes(v))
+        values.append(v)
+  n = len(values)
+  return dataclasses.replace(
+      acts, start=np.concatenate([acts.start, np.array(start, int)]),
+      stop=np.concatenate([acts.stop, np.array(stop, int)]),
+      nbytes=np.concatenate([nbytes, np.array(extra_bytes, float)]),
+      dims=acts.dims + tuple(dims), values=acts.values + tuple(values),
+      stored=tuple(acts.stored or (None,) * len(acts.dims)) + (None,) * n)
 
 
 def recompute_tables(problem: Problem, builder: TableBuilder,

@@ -9,7 +9,10 @@ collective-permute, with n the replica group size. Async pairs (`all-gather-star
 `-done`, `all-reduce-start`, `collective-permute-start`, as TPU and GPU HLO have them)
 count once, at their `-start`, with the bytes of the `-done`'s result (a `-start`'s
 tuple type lists the operand too). Collectives inside fusions and async computations
-count once each where they stand, as does the body of a loop.
+count once each where they stand; inside a loop's body (a scanned layer stack, a
+chunked attention's `lax.map`) they count once per iteration, by the trip count the
+compiler annotates (`known_trip_count`; a loop without one counts once), since the
+cost model prices a loop body times its trip count too.
 
 An all-reduce whose every reader keeps only a 1/n slice of it (a `dynamic-slice`, on
 its own or inside a fusion) is counted as the reduce-scatter it stands for: XLA's GPU
@@ -97,12 +100,14 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
       reduce-scatter XLA's GPU and TPU pipelines make of it (module docstring).
 
   Returns:
-    kind -> bytes per device per execution (a loop body counts once), plus "total" and
-    `SLICED` (the part of "reduce-scatter" that XLA:CPU runs as all-reduce + slice).
+    kind -> bytes per device per execution of the program (a loop body's times its
+    trip count), plus "total" and `SLICED` (the part of "reduce-scatter" that XLA:CPU
+    runs as all-reduce + slice).
   """
   out = {k: 0.0 for k in _KINDS}
   out[SLICED] = 0.0
   hlo = _Hlo.parse(hlo_text)
+  runs = hlo.executions()
   for line in hlo_text.splitlines():
     m = _LINE.search(line)
     if m is None:
@@ -110,15 +115,17 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
     kind, n = m.group("kind"), _group_size(m.group("attrs"), num_devices)
     if n <= 1:
       continue
+    name = _INSTR.match(line)
+    times = runs.get(hlo.where.get(name.group("name"), ""), 1) if name else 1
     if m.group("start"):
       result = _async_result(hlo, line, kind, m.group("result"))
     elif kind == "all-reduce" and reduce_scatter_creator:
       for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result"), n):
         if sliced:
-          out["reduce-scatter"] += (n - 1) / n * nbytes
-          out[SLICED] += (n - 1) / n * nbytes
+          out["reduce-scatter"] += times * (n - 1) / n * nbytes
+          out[SLICED] += times * (n - 1) / n * nbytes
         else:
-          out["all-reduce"] += 2 * (n - 1) / n * nbytes
+          out["all-reduce"] += times * 2 * (n - 1) / n * nbytes
       continue
     else:
       result = _bytes(m.group("result"))
@@ -132,7 +139,7 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
       sent = (n - 1) / n * result
     else:
       sent = float(result)
-    out[kind] += sent
+    out[kind] += times * sent
   out["total"] = sum(out[k] for k in _KINDS)
   return out
 
@@ -159,6 +166,11 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)
                     r"(?P<op>[\w\-]+)\(")
 # `[ENTRY ]%name (<parameters>) -> <type> {`
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+# `body=%b`, `calls=%f`, `to_apply=%r`, ...: the computations an instruction runs.
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)"
+                    r"=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # Readers that pass a value on whole: a slice of what they make is a slice of it.
 _WHOLE = ("bitcast", "copy", "reshape")
 
@@ -197,17 +209,19 @@ class _Hlo:
   computations: dict[str, list[_Instr]]
   where: dict[str, str]  # instruction name -> the computation holding it
   readers: dict[str, list[tuple[_Instr, int]]]  # name -> (reader, operand slot)
+  entry: str = ""  # the ENTRY computation's name
 
   @classmethod
   def parse(cls, text: str) -> "_Hlo":
     computations: dict[str, list[_Instr]] = {}
     where: dict[str, str] = {}
     readers: dict[str, list[tuple[_Instr, int]]] = {}
-    current = ""
+    current = entry = ""
     for line in text.splitlines():
       head = _HEADER.match(line)
       if head and " = " not in line.split("(", 1)[0]:
         current = head.group("name")
+        entry = current if line.startswith("ENTRY") else entry
         continue
       m = _INSTR.match(line)
       if m is None:
@@ -220,7 +234,33 @@ class _Hlo:
       where[instr.name] = current
       for slot, operand in enumerate(instr.operands):
         readers.setdefault(operand, []).append((instr, slot))
-    return cls(computations, where, readers)
+    return cls(computations, where, readers, entry)
+
+  def executions(self) -> dict[str, int]:
+    """Computation name -> how many times one run of the program runs it: a loop's
+    body (and condition) its trip count times per run of the loop, anything else
+    called once per call. Computations not reached from ENTRY are absent."""
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int, depth: int) -> None:
+      runs[name] = runs.get(name, 0) + times
+      if depth > 64:  # HLO's call graph is acyclic; this only guards bad text
+        return
+      for instr in self.computations.get(name, []):
+        if instr.op.endswith(("-done", "-update")):  # names its -start's computation
+          continue
+        trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
+        loop = int(trip.group(1)) if trip else 1
+        called = [(c, loop if role in ("body", "condition") else 1)
+                  for role, c in _CALLS.findall(instr.attrs)]
+        for branches in _BRANCHES.findall(instr.attrs):
+          called += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches)]
+        for callee, factor in called:
+          visit(callee, times * factor, depth + 1)
+
+    if self.entry:
+      visit(self.entry, 1, 0)
+    return runs
 
   def _sliced(self, name: str, elements: int, n: int) -> bool:
     """Whether `name` is read, and every reader keeps just 1/n of its elements."""

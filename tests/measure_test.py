@@ -46,7 +46,8 @@ def test_done_halves_and_groups_of_one_send_nothing():
 
 # TPU HLO (as libtpu prints it): layouts with tiles, async pairs whose -start's tuple
 # also lists the operand, a collective-permute-start with its contexts, a reduce-scatter
-# inside an async computation, an all-reduce inside a fusion. Each counts once.
+# inside an async computation, an all-reduce inside a fusion. Each counts once (none is in
+# a loop).
 TPU_HLO = "\n".join([
     "%fused_ar (p0: f32[256]) -> f32[256] {",
     "  %p0 = f32[256]{0:T(256)} parameter(0)",
@@ -168,3 +169,41 @@ def test_a_compiled_partial_sum_split_on_its_rows_is_a_reduce_scatter():
   else:  # XLA:CPU: an all-reduce and a slice
     assert got[measure.SLICED] == pytest.approx(3 / 4 * s)
     assert cpu["all-reduce"] == pytest.approx(2 * 3 / 4 * s)
+
+
+def test_collectives_in_a_loop_body_count_once_per_iteration():
+  mesh = tapas.make_mesh({"data": 8})
+
+  def f(w, x):  # each layer's weight is gathered inside the loop, once per layer
+    return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0].sum()
+
+  layers = 3
+  g = jax.jit(f, in_shardings=(NamedSharding(mesh, P(None, "data", None)),
+                               NamedSharding(mesh, P("data"))))
+  text = g.lower(jax.ShapeDtypeStruct((layers, 64, 64), jnp.float32),
+                 jax.ShapeDtypeStruct((64, 64), jnp.float32)).compile().as_text()
+  assert '"known_trip_count":{"n":"3"}' in text
+  got = measure.collective_bytes(text, num_devices=8)
+  assert got["all-gather"] == pytest.approx(layers * 7 / 8 * 64 * 64 * 4)
+
+
+def test_loop_trip_counts_multiply_through_nested_loops_and_calls():
+  text = "\n".join([
+      "%inner_body (p: f32[8]) -> f32[8] {",
+      "  %p = f32[8]{0} parameter(0)",
+      "  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add",
+      "}",
+      "%outer_body (q: f32[8]) -> f32[8] {",
+      "  %q = f32[8]{0} parameter(0)",
+      "  ROOT %w2 = f32[8]{0} while(%q), condition=%c2, body=%inner_body, "
+      'backend_config={"known_trip_count":{"n":"5"}}',
+      "}",
+      "ENTRY %main (x: f32[8]) -> f32[8] {",
+      "  %x = f32[8]{0} parameter(0)",
+      "  %w1 = f32[8]{0} while(%x), condition=%c1, body=%outer_body, "
+      'backend_config={"known_trip_count":{"n":"3"}}',
+      "  ROOT %once = f32[8]{0} all-reduce(%w1), replica_groups=[1,4]<=[4], to_apply=%add",
+      "}",
+  ])
+  got = measure.collective_bytes(text, num_devices=4)
+  assert got["all-reduce"] == pytest.approx((3 * 5 + 1) * 2 * 3 / 4 * 8 * 4)

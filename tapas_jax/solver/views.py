@@ -91,17 +91,22 @@ def scan_bindings(graph: Graph, op: Op):
 
 
 def with_scan_bodies(graph: Graph, view: View) -> View:
-  """Adds the bodies of scans to the view, each op standing for trip-count executions."""
+  """Adds the bodies of scans to the view, each op standing for trip-count executions;
+  a scan inside a scan's body (a chunked attention's `lax.map` in a scanned layer)
+  too, standing for both trip counts: kept whole, it would be priced replicated."""
   ops, weight, loops = list(view.ops), dict(view.weight), set()
-  for i in view.ops:
+  pending = list(view.ops)
+  while pending:
+    i = pending.pop()
     region = scan_region(graph, graph.ops[i])
     if region is None:
       continue
     loops.add(i)
     body = [op.index for op in graph.ops if op.region == region.index]
     ops += body
+    pending += body
     for b in body:
-      weight[b] = region.trip_count * view.weight.get(i, 1)
+      weight[b] = region.trip_count * weight.get(i, 1)
   return dataclasses.replace(view, ops=tuple(ops), weight=weight, loops=frozenset(loops))
 
 

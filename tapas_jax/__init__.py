@@ -24,6 +24,7 @@ from tapas_jax import fold
 from tapas_jax import trace
 from tapas_jax.api import search
 from tapas_jax.apply import apply, place, remat_policy
+from tapas_jax.errors import TapasError
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan, PlanStats
@@ -44,6 +45,7 @@ __all__ = [
     "MeshError",
     "Plan",
     "PlanStats",
+    "TapasError",
     "TraceError",
     "Verified",
     "apply",

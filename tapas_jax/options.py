@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.sharding import AxisType
 
+from tapas_jax.errors import TapasError
 from tapas_jax.profiles import PROFILES
 
 __all__ = ["SOLVERS", "MeshError", "OptionError", "batch_axes", "check_auto", "device",
@@ -47,7 +48,7 @@ _UNITS = {"": 1, "b": 1,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-class OptionError(ValueError):
+class OptionError(TapasError, ValueError):
   """An option of a tapas_jax entry point has a value it cannot use."""
 
 

@@ -53,6 +53,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import plan_records as records
+from tapas_jax.errors import TapasError
 from tapas_jax.solver import remat as rematlib
 from tapas_jax.trace import key_path_str
 
@@ -70,7 +71,7 @@ _KEY_KINDS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-class PlanFileError(ValueError):
+class PlanFileError(TapasError, ValueError):
   """A plan file that cannot be written or read back; the message names the field."""
 
 

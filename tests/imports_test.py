@@ -20,6 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tapas_jax"
 # order is drawn in tapas_jax/README.md. An entry ending in "." is every module of
 # that package.
 STAGES = (
+    ("tapas_jax.errors",),
     ("tapas_jax._jax_internals",),
     ("tapas_jax.profiles",),
     ("tapas_jax.options",),
@@ -237,13 +238,13 @@ def test_every_lazy_import_listed_is_used():
     ({"tapas_jax.trace": "from tapas_jax import fold\n",
       "tapas_jax.fold": "from tapas_jax.trace import Graph\n"},
      ["import circle: tapas_jax.fold -> tapas_jax.trace -> tapas_jax.fold",
-      "upward import: tapas_jax.trace (stage 4) imports tapas_jax.fold (stage 7), line 1"]),
+      "upward import: tapas_jax.trace (stage 5) imports tapas_jax.fold (stage 8), line 1"]),
     ({"tapas_jax.plan": "def f():\n  from . import plan_file\n",
       "tapas_jax.plan_file": "from tapas_jax import plan as planlib\n"},
      ["import circle: tapas_jax.plan -> tapas_jax.plan_file -> tapas_jax.plan",
       "import inside a function: tapas_jax.plan imports tapas_jax.plan_file, line 2; "
       "import it at the top, or document it in LAZY",
-      "upward import: tapas_jax.plan_file (stage 11) imports tapas_jax.plan (stage 12), "
+      "upward import: tapas_jax.plan_file (stage 12) imports tapas_jax.plan (stage 13), "
       "line 1"]),
     ({"tapas_jax.api": "import numpy\ndef f():\n  import jax\n"},
      ["import inside a function: tapas_jax.api imports jax, line 3; import it at the top, "
@@ -254,7 +255,7 @@ def test_every_lazy_import_listed_is_used():
       "tapas_jax.plan": ""},
      ["import circle: tapas_jax.solver.budget -> tapas_jax.solver.solve -> "
       "tapas_jax.solver.budget",
-      "upward import: tapas_jax.cost (stage 8) imports tapas_jax.plan (stage 12), line 2"]),
+      "upward import: tapas_jax.cost (stage 9) imports tapas_jax.plan (stage 13), line 2"]),
     ({"tapas_jax.shard": "def f():\n  from tapas_jax import shard_flax  # noqa: PLC0415\n",
       "tapas_jax.shard_flax": "import flax\n"}, []),
 ])

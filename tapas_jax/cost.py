@@ -472,17 +472,6 @@ def reshard(
   return _reshard(tuple(shape), int(itemsize), src, dst, mesh, get_profile(profile))
 
 
-def reshard_time(shape, itemsize, src, dst, mesh, profile) -> float:
-  """Total seconds of `reshard` (same arguments).
-
-  Example:
-    >>> m = mesh_spec({"model": 4}, "h100")
-    >>> reshard_time((8,), 4, Layout(("model",)), Layout(("model",)), m, "h100")
-    0.0
-  """
-  return math.fsum(c.time_s for c in reshard(shape, itemsize, src, dst, mesh, profile))
-
-
 def reshard_bytes(shape, itemsize, src, dst, mesh, profile) -> float:
   """Total bytes sent per device by `reshard` (same arguments).
 

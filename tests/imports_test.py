@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -26,7 +27,7 @@ STAGES = (
     ("tapas_jax.options",),
     ("tapas_jax.mesh",),
     ("tapas_jax.trace",),
-    ("tapas_jax.rule_table",),
+    ("tapas_jax.op_rule",),
     ("tapas_jax.rules",),
     ("tapas_jax.fold",),
     ("tapas_jax.cost",),
@@ -231,6 +232,16 @@ def test_every_lazy_import_listed_is_used():
       if lazy:
         used.add((name, target if target.startswith("tapas_jax") else target.split(".")[0]))
   assert set(LAZY) <= used, sorted(set(LAZY) - used)
+
+
+def test_the_package_readme_draws_the_same_order():
+  # tapas_jax/README.md's table: "| stage | `module` | job | imports |", one row a stage.
+  rows = re.findall(r"^\| (\d+) \| `([\w/]+)` \|", (PACKAGE / "README.md").read_text(),
+                    re.MULTILINE)
+  named = {"__init__": "tapas_jax"}
+  order = [named.get(m, "tapas_jax." + m.rstrip("/")) for _, m in rows]
+  assert [int(n) for n, _ in rows] == list(range(len(STAGES)))
+  assert order == [stage[0] for stage in STAGES]
 
 
 # The checker itself: each kind of fault in a small made-up package.

@@ -5,7 +5,8 @@ The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` 
 (-> a jitted function XLA partitions the plan's way). `tapas.search(fn, *args,
 mesh=...)` runs the first three; `tapas.apply(plan, fn)` and `tapas.place(plan,
 *args)` run the plan; `tapas.verify(plan, fn, *args, topology="v5p:2x2x1")` has the
-compiler judge it.
+compiler judge it. Every error the package raises is a `tapas.TapasError`. Each
+module's job, and which modules it may import: tapas_jax/README.md.
 
 Example:
   >>> import tapas_jax as tapas

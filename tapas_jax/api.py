@@ -221,7 +221,7 @@ def search(fn, *args, mesh, device: str | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-  """How `shard` searches: the arguments it passes on to `tapas.search`.
+  """How `tapas.shard` searches: the arguments it passes on to `tapas.search`.
 
   Attributes:
     mesh: a `jax.sharding.Mesh` (Auto axes) or a dict of axis sizes; None: the
@@ -242,8 +242,8 @@ class SearchOptions:
     """`tapas.search` on `mesh` (whose axis names are labels: the batch may take any
     axis by default)."""
     return search(fn, *args, mesh=mesh, device=self.device,
-                      memory_budget=self.memory_budget, batch_axes=self.batch_axes,
-                      fold=self.fold)
+                  memory_budget=self.memory_budget, batch_axes=self.batch_axes,
+                  fold=self.fold)
 
 
 # How many times `search(..., verify=...)` searches again under a lower budget.

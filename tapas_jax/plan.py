@@ -2,7 +2,9 @@
 
 A `Plan` holds one pytree of `PartitionSpec` per positional argument (`in_specs`), the
 class-to-axes choice behind it, the strategy of each unique layer (the specs of its
-parameters), the predicted cost and the timings of each stage.
+parameters), the predicted cost and the timings of each stage. Its parts (`PlanStats`,
+`LayerStrategy`, ...) are defined in `tapas_jax.plan_records` and importable from here;
+`plan.save` and `Plan.load` go through `tapas_jax.plan_file`.
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -5,7 +5,8 @@ The pipeline, one module per stage: `trace` (jaxpr -> `Graph`), `fold` (`Graph` 
 (-> a jitted function XLA partitions the plan's way). `tapas.search(fn, *args,
 mesh=...)` runs the first three; `tapas.apply(plan, fn)` and `tapas.place(plan,
 *args)` run the plan; `tapas.verify(plan, fn, *args, topology="v5p:2x2x1")` has the
-compiler judge it.
+compiler judge it. Every error the package raises is a `tapas.TapasError`. Each
+module's job, and which modules it may import: tapas_jax/README.md.
 
 Example:
   >>> import tapas_jax as tapas
@@ -24,6 +25,7 @@ from tapas_jax import fold
 from tapas_jax import trace
 from tapas_jax.api import search
 from tapas_jax.apply import apply, place, remat_policy
+from tapas_jax.errors import TapasError
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
 from tapas_jax.plan import Plan, PlanStats
@@ -44,6 +46,7 @@ __all__ = [
     "MeshError",
     "Plan",
     "PlanStats",
+    "TapasError",
     "TraceError",
     "Verified",
     "apply",

@@ -36,7 +36,6 @@ except ImportError:  # pragma: no cover - very old jax
 ClosedJaxpr = _core.ClosedJaxpr
 Jaxpr = _core.Jaxpr
 Literal = _core.Literal
-DropVar = _core.DropVar
 
 # Params that carry a loop trip count: an equation with one of these is a loop even
 # when its body's types match its operands (a scan over carries only).

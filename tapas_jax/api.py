@@ -23,14 +23,18 @@ import time
 import warnings
 from typing import Any, Mapping, Sequence
 
+import jax
+
 from tapas_jax import cost as costlib
 from tapas_jax import fold as foldlib
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver as solverlib
 from tapas_jax import trace as tracelib
+from tapas_jax.verify import verify as verify_plan
 
-__all__ = ["HBM_HEADROOM", "VERIFY_ROUNDS", "Prepared", "default_budget", "prepare", "search"]
+__all__ = ["HBM_HEADROOM", "VERIFY_ROUNDS", "Prepared", "SearchOptions", "baseline_figures",
+           "default_budget", "prepare", "search"]
 
 # Share of a device's memory a plan leaves to the runtime: the CUDA context and
 # library workspaces (cuBLAS, cuDNN, NCCL buffers), XLA's own scratch and allocator
@@ -53,7 +57,6 @@ class Prepared:
 def default_device() -> str:
   """The device profile of the local devices' generation (`device_kind`: v4, v5e,
   v5p, v6e, A100, H100, H200), or their platform's nearest one."""
-  import jax  # noqa: PLC0415
   device = jax.devices()[0]
   return costlib.profile_for_kind(device.device_kind, device.platform)
 
@@ -206,15 +209,41 @@ def search(fn, *args, mesh, device: str | None = None,
     solution = _solve(prepared, budget, default=memory_budget is None, fold=fold,
                       solver=solver, time_limit=time_limit, cache=cache)
     search_s = prepared.prepare_s + time.perf_counter() - start
-    from tapas_jax import baselines  # noqa: PLC0415 - baselines builds on this module
     return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
                              search_s=search_s, kwargs=kwargs,
-                             baselines=baselines.figures(prepared.problem, cache))
+                             baselines=baseline_figures(prepared.problem, cache))
 
   plan = solve(budget)
   if topology is None:
     return plan
   return _verified(plan, solve, fn, args, kwargs, topology, budget, memory_budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+  """How `tapas.shard` searches: the arguments it passes on to `tapas.search`.
+
+  Attributes:
+    mesh: a `jax.sharding.Mesh` (Auto axes) or a dict of axis sizes; None: the
+      `jax.set_mesh` context, else `tapas_jax.mesh.default_mesh()`.
+    device: device profile name; None: from the local platform.
+    memory_budget: per-device bytes the plan may take (see `tapas.search`).
+    batch_axes: as for `tapas.search` (default: any axis).
+    fold: search each unique layer once.
+  """
+
+  mesh: Any = None
+  device: str | None = None
+  memory_budget: float | None = None
+  batch_axes: Any = "default"
+  fold: bool = True
+
+  def search(self, fn, args: Sequence[Any], mesh: jax.sharding.Mesh) -> planlib.Plan:
+    """`tapas.search` on `mesh` (whose axis names are labels: the batch may take any
+    axis by default)."""
+    return search(fn, *args, mesh=mesh, device=self.device,
+                  memory_budget=self.memory_budget, batch_axes=self.batch_axes,
+                  fold=self.fold)
 
 
 # How many times `search(..., verify=...)` searches again under a lower budget.
@@ -243,15 +272,13 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
               budget: float | None, memory_budget: float | None) -> planlib.Plan:
   """Compiles `plan` for `topology`; while the compiler's peak does not fit, searches
   again under a budget lowered by what was missing (`VERIFY_ROUNDS` at most)."""
-  # verify builds on apply, a stage above this one.
-  from tapas_jax.verify import verify as compile_for  # noqa: PLC0415
   fmt = options.format_bytes
   rounds: list[tuple[float, float, float]] = []
   notes: list[str] = []
   for k in range(VERIFY_ROUNDS):
     with warnings.catch_warnings():  # a step that returns no new state donates nothing
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      record = compile_for(plan, fn, *args, topology=topology, donate_argnums=0,
+      record = verify_plan(plan, fn, *args, topology=topology, donate_argnums=0,
                            kwargs=kwargs)
     limit = min(record.hbm_bytes, memory_budget or math.inf)
     predicted = plan.stats.predicted_memory_bytes
@@ -312,3 +339,28 @@ def resolve_budget(memory_budget: float | None,
 def solver_name(name: str | None, fold: bool) -> str:
   """The solver to use: as named, or the default for the view."""
   return name if name is not None else ("elimination" if fold else "ilp")
+
+
+def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None
+                     ) -> tuple[planlib.BaselineFigures, ...]:
+  """Data parallel and FSDP costed on an already built problem, for a plan's report.
+
+  As `tapas_jax.baselines.baseline` does, the batch may take every mesh axis, whatever
+  the search's `batch_axes`.
+
+  Args:
+    table_cache: the searched plan's cost tables (`solver.solve(..., table_cache=)`),
+      so that only tables the batch's wider domain or the fixed FSDP layouts change
+      are built again (a table's key holds its classes' domains).
+  """
+  problem = solverlib.problem.with_batch_axes(problem, None)
+  every = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
+  dp = {c: a for c, a in solverlib.experts.batch_choice(problem, every).items() if a}
+  stored, layouts = solverlib.experts.fsdp(problem)
+  out = []
+  for name, choice, fixed in (("data_parallel", dp, None), ("fsdp", {**dp, **stored}, layouts)):
+    solution = solverlib.evaluate(problem, choice, input_layouts=fixed, table_cache=table_cache)
+    out.append(planlib.BaselineFigures(
+        name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
+        memory_bytes=planlib.memory_bytes(problem, solution)))
+  return tuple(out)

@@ -30,13 +30,16 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax import fold as foldlib
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import plan_file
 from tapas_jax import trace as tracelib
 from tapas_jax.mesh import MeshError, make_mesh
+from tapas_jax.solver import remat as rematlib
+from tapas_jax.solver import views
 
-__all__ = ["apply", "place", "remat_policy"]
+__all__ = ["apply", "place", "place_as_planned", "remat_policy"]
 
 
 def _is_spec(x) -> bool:
@@ -420,8 +423,6 @@ class _Recompute:
   def of(cls, plan: planlib.Plan, graph, pins) -> "_Recompute | None":
     if not plan.remat:
       return None
-    from tapas_jax import fold as foldlib  # noqa: PLC0415 - only plans with remat fold
-    from tapas_jax.solver import remat as rematlib  # noqa: PLC0415
     folded = foldlib.fold(graph)
     names = {u.name: u.index for u in folded.unique_layers}
     remats = []
@@ -431,7 +432,6 @@ class _Recompute:
                          f"this program's unique layers are {sorted(names)}. Search again "
                          "on this program.")
       remats += rematlib.layer_remats(folded, names[layer], policy)
-    from tapas_jax.solver import views  # noqa: PLC0415 - as above
     scans = [r for r in remats if isinstance(r, rematlib.ScanRemat)]
     return cls(graph, [r for r in remats if r not in scans], pins,
                [(r, views.scan_region(graph, graph.ops[r.forward])) for r in scans])
@@ -620,3 +620,21 @@ def remat_policy(plan: planlib.Plan, layer: str):
   """
   policy = dict(plan.remat).get(layer)
   return None if policy is None else getattr(jax.checkpoint_policies, policy)
+
+
+def place_as_planned(tree: Any, shardings: Any) -> Any:
+  """Concrete arrays moved to their planned sharding (jit refuses a committed array in
+  another one); tracers, scalars and abstract values pass: jit's in_shardings take them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> s = NamedSharding(make_mesh({"data": 8}), PartitionSpec("data"))
+    >>> place_as_planned({"x": jnp.ones(16)}, {"x": s})["x"].sharding == s
+    True
+  """
+  def move(x, s):
+    if isinstance(x, jax.Array) and not jx.is_tracer(x) and \
+        not x.sharding.is_equivalent_to(s, x.ndim):
+      return jax.device_put(x, s)
+    return x
+  return jax.tree.map(move, tree, shardings)

@@ -29,6 +29,8 @@ from tapas_jax import api
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver
+# The report's data-parallel and FSDP figures: built by the search, named here too.
+from tapas_jax.api import baseline_figures as figures
 
 __all__ = ["BASELINES", "MEGATRON_SPLITS", "baseline", "figures"]
 
@@ -140,27 +142,3 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
                   f"(device memory less {api.HBM_HEADROOM:.0%} headroom): it would not fit",
                   stacklevel=2)
   return plan
-
-
-def figures(problem, table_cache: dict | None = None) -> tuple[planlib.BaselineFigures, ...]:
-  """Data parallel and FSDP costed on an already built problem, for a plan's report.
-
-  As `baseline` does, the batch may take every mesh axis, whatever the search's
-  `batch_axes`.
-
-  Args:
-    table_cache: the searched plan's cost tables (`solver.solve(..., table_cache=)`),
-      so that only tables the batch's wider domain or the fixed FSDP layouts change
-      are built again (a table's key holds its classes' domains).
-  """
-  problem = solver.problem.with_batch_axes(problem, None)
-  every = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
-  dp = {c: a for c, a in _batch_choice(problem, every).items() if a}
-  stored, layouts = _fsdp(problem)
-  out = []
-  for name, choice, fixed in (("data_parallel", dp, None), ("fsdp", {**dp, **stored}, layouts)):
-    solution = solver.evaluate(problem, choice, input_layouts=fixed, table_cache=table_cache)
-    out.append(planlib.BaselineFigures(
-        name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
-        memory_bytes=planlib.memory_bytes(problem, solution)))
-  return tuple(out)

@@ -1,4 +1,7 @@
-"""Analytic cost model for the search stage: devices, meshes, layouts, collectives.
+"""Analytic cost model for the search stage: meshes, layouts, collectives, resharding.
+
+The chips' figures it prices with are the device profiles (`tapas_jax.profiles`; the
+names stay importable from here: `cost.get_profile`, `cost.PROFILES`, ...).
 
 Everything here is plain Python (no JAX) so the solver can call it many
 thousands of times; the expensive entry points are memoised on their
@@ -12,10 +15,13 @@ Conventions used throughout:
   receives at the same rate), which is what ring accounting needs.
 * Time of a collective = α · steps + bytes / bandwidth. A collective over several
   mesh axes is one collective, as XLA emits it (a value partial over data and
-  model is all-reduced once over both): it sends the flat ring's bytes, and is
-  timed as one ring per axis, fastest link first, each axis on what the one
-  before it left, as TPU per-dimension rings and NCCL's hierarchical algorithms
-  run it.
+  model is all-reduced once over both): it sends the flat ring's bytes, (n-1)/n of
+  the buffer (twice that for an all-reduce). A reduce-scatter or all-gather over
+  several axes is timed as one ring per axis, fastest link first on the whole
+  buffer, each next axis on what the one before it left, as TPU per-dimension rings
+  and NCCL's hierarchical algorithms run it; an all-reduce as twice that. An
+  all-to-all over several axes is one flat exchange, paced by the slowest of their
+  links and the longest latency.
 
 Example:
   >>> from tapas_jax import cost
@@ -36,411 +42,15 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
-INTRA = "intra"
-INTER = "inter"
-_LINKS = (INTRA, INTER)
+# The device profiles are the cost model's inputs; their names stay importable here.
+from tapas_jax.profiles import (INTER, INTRA, LINKS, PROFILES, DeviceProfile,  # noqa: F401
+                                compiled_by_xla_cpu, compute_time, get_profile,
+                                profile_for_kind, profile_for_topology, roofline_time)
 
 ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
-
-_GB = 1e9
-_GIB = 2**30
-
-
-# ---------------------------------------------------------------------------
-# Device profiles
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceProfile:
-  """Peak figures of one accelerator chip and its interconnect.
-
-  Attributes:
-    name: profile key in `PROFILES`.
-    peak_flops: dense bf16 FLOP/s per chip.
-    peak_flops_f32: FLOP/s per chip for float32 matmuls under JAX's DEFAULT
-      precision, which runs them as one bf16 pass on TPU and as TF32 on
-      A100/H100/H200 (https://docs.jax.dev/en/latest/201/precision.html).
-    hbm_bytes: device memory per chip.
-    hbm_bandwidth: device memory bandwidth per chip, bytes/s.
-    intra_bandwidth: unidirectional bytes/s one chip can push into a ring
-      collective along ONE mesh axis over the fast fabric. NVSwitch GPUs: the
-      whole NVLink, i.e. half the bidirectional headline. TPU torus: the two
-      links of one torus dimension (a bidirectional ring), i.e. 2 x per-link
-      one-way bandwidth.
-    inter_bandwidth: unidirectional bytes/s per chip across hosts or slices
-      (InfiniBand NIC per GPU, TPU DCN share per chip).
-    intra_latency_s: α, seconds per ring step on the fast fabric (estimate).
-    inter_latency_s: α, seconds per ring step across hosts (estimate).
-    devices_per_host: chips attached to one host.
-    intra_domain_size: chips reachable over the fast fabric. Equals
-      `devices_per_host` for NVLink boxes; a whole ICI slice for TPUs, where
-      ICI crosses host boundaries. `mesh_spec` uses this to pick links.
-    reduce_scatter: whether the compiler turns an all-reduce read only as 1/n
-      slices into a reduce-scatter (XLA's GPU and TPU pipelines do). XLA:CPU has no
-      such pass: it holds the whole all-reduced value, then slices it, and the
-      memory model counts that. Collectives are priced as the reduce-scatter on
-      every profile, as `measure` counts them, since a CPU mesh stands in for an
-      accelerator's.
-    canonical_convolutions: whether the compiler runs only convolutions in
-      canonical dimension order (input batch, spatial, feature; kernel spatial, in,
-      out) and copies other operands and results transposed into it (XLA:CPU's
-      convolution canonicalization; the backward pass's weight-gradient convs put
-      the activations in non-canonical slots). The memory model counts the copies.
-    combine_threshold_bytes: most bytes of gradients the compiler's combiner puts
-      into one reduction (XLA GPU's `xla_gpu_all_reduce_combine_threshold_bytes`
-      and its reduce-scatter twin default to 30 MiB; assumed the same on TPU, whose
-      flags are not public). XLA:CPU combines every gradient into one reduction at
-      the end of the backward pass (measured on the zoo: its temporaries hold every
-      gradient twice there), which is infinite here. Gradients wait for their
-      combined reduction, so this sets how many are live at once.
-    reductions_duplicate: whether a reduction's fusion recomputes a cheap operand
-      that other ops also read (XLA's GPU and TPU fusions do). XLA:CPU's reduction
-      fusions (YNNPACK) do not: the operand is written out, as a batch norm's
-      centred activations are.
-
-  Example:
-    >>> get_profile("h100").intra_bandwidth
-    450000000000.0
-  """
-
-  name: str
-  peak_flops: float
-  peak_flops_f32: float
-  hbm_bytes: float
-  hbm_bandwidth: float
-  intra_bandwidth: float
-  inter_bandwidth: float
-  intra_latency_s: float
-  inter_latency_s: float
-  devices_per_host: int
-  intra_domain_size: int
-  reduce_scatter: bool = True
-  canonical_convolutions: bool = False
-  reductions_duplicate: bool = True
-  combine_threshold_bytes: float = 30 * 2**20
-
-  def bandwidth(self, link: str) -> float:
-    """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
-    return self.intra_bandwidth if _check_link(link) == INTRA else self.inter_bandwidth
-
-  def latency(self, link: str) -> float:
-    """α in seconds per ring step on an "intra" or "inter" link."""
-    return self.intra_latency_s if _check_link(link) == INTRA else self.inter_latency_s
-
-
-# Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
-# one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
-# 50 GB/s; the same page now states it as 400 GBps bidirectional), so one
-# torus dimension gets 2/ports of it one way.
-PROFILES: dict[str, DeviceProfile] = {
-    "tpu-v4": DeviceProfile(
-        name="tpu-v4",
-        # https://cloud.google.com/tpu/docs/v4: 275 TFLOPS (bf16 or int8).
-        peak_flops=275e12,
-        # One bf16 MXU pass under DEFAULT precision (JAX precision doc above).
-        peak_flops_f32=275e12,
-        # https://cloud.google.com/tpu/docs/v4: HBM2 32 GiB, 1200 GBps.
-        hbm_bytes=32 * _GIB,
-        hbm_bandwidth=1200 * _GB,
-        # TPU v4 paper (Jouppi et al., ISCA 2023, arXiv 2304.01433): 6 ICI
-        # links per chip, 400 Gb/s (50 GB/s) each way; 3D torus -> 2 links
-        # per torus dimension.
-        intra_bandwidth=2 * 50 * _GB,
-        # Assumption: Google publishes no per-chip DCN figure for v4; taken
-        # equal to v5p's 50 Gbps per chip (https://cloud.google.com/tpu/docs/v5p).
-        inter_bandwidth=50e9 / 8,
-        # Estimates: ~1 us per ICI hop, ~10 us per DCN message.
-        intra_latency_s=1e-6,
-        inter_latency_s=10e-6,
-        # https://cloud.google.com/tpu/docs/v4: 4 chips per host (2x2x1
-        # tray), 4096-chip pod all on ICI.
-        devices_per_host=4,
-        intra_domain_size=4096,
-    ),
-    "tpu-v5e": DeviceProfile(
-        name="tpu-v5e",
-        # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPS bf16.
-        peak_flops=197e12,
-        peak_flops_f32=197e12,
-        # https://cloud.google.com/tpu/docs/v5e: HBM2 16 GB, 819 GBps.
-        hbm_bytes=16 * _GB,
-        hbm_bandwidth=819 * _GB,
-        # https://cloud.google.com/tpu/docs/v5e: 1600 Gbps ICI (400 GBps
-        # bidirectional), 4 ICI ports, 2D torus -> 2 of 4 ports per axis.
-        intra_bandwidth=1600e9 / 8 * 2 / 4,
-        # https://cloud.google.com/tpu/docs/v5e: 2 x 100 Gbps NIC per host of
-        # 8 chips.
-        inter_bandwidth=2 * 100e9 / 8 / 8,
-        intra_latency_s=1e-6,
-        inter_latency_s=10e-6,
-        # https://cloud.google.com/tpu/docs/v5e: 8 chips per host, 256-chip pod.
-        devices_per_host=8,
-        intra_domain_size=256,
-    ),
-    "tpu-v5p": DeviceProfile(
-        name="tpu-v5p",
-        # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPS bf16.
-        peak_flops=459e12,
-        peak_flops_f32=459e12,
-        # https://cloud.google.com/tpu/docs/v5p: 95 GiB HBM, 2765 GBps.
-        hbm_bytes=95 * _GIB,
-        hbm_bandwidth=2765 * _GB,
-        # https://cloud.google.com/tpu/docs/v5p: 4800 Gbps ICI (1200 GBps
-        # bidirectional), 3D torus, 6 ports -> 2 of 6 per axis.
-        intra_bandwidth=4800e9 / 8 * 2 / 6,
-        # https://cloud.google.com/tpu/docs/v5p: DCN 50 Gbps per chip.
-        inter_bandwidth=50e9 / 8,
-        intra_latency_s=1e-6,
-        inter_latency_s=10e-6,
-        # https://cloud.google.com/tpu/docs/v5p: 4 chips per host; largest
-        # schedulable ICI slice 6144 chips (96 cubes).
-        devices_per_host=4,
-        intra_domain_size=6144,
-    ),
-    "tpu-v6e": DeviceProfile(
-        name="tpu-v6e",
-        # https://cloud.google.com/tpu/docs/v6e (Trillium): 918 TFLOPs bf16 per chip.
-        peak_flops=918e12,
-        peak_flops_f32=918e12,
-        # The datasheet's 32 GB HBM less what the runtime keeps: 31.25 GiB is what the
-        # TPU compiler (libtpu 0.0.42.1) reports as available HBM on v6e.
-        hbm_bytes=31.25 * _GIB,
-        # https://cloud.google.com/tpu/docs/v6e: 1640 GBps (the page's current revision
-        # states 1638 GBps).
-        hbm_bandwidth=1640 * _GB,
-        # https://cloud.google.com/tpu/docs/v6e: 800 GBps bidirectional ICI per chip
-        # (an earlier revision: 3584 Gbps), 4 ports, 2D torus -> 2 of 4 ports per axis.
-        intra_bandwidth=800 * _GB / 2 * 2 / 4,
-        # https://cloud.google.com/tpu/docs/v6e: 4 x 200 Gbps NIC per host of 8 chips.
-        inter_bandwidth=4 * 200e9 / 8 / 8,
-        intra_latency_s=1e-6,
-        inter_latency_s=10e-6,
-        # https://cloud.google.com/tpu/docs/v6e: 8 chips per host, 256-chip pod.
-        devices_per_host=8,
-        intra_domain_size=256,
-    ),
-    "a100": DeviceProfile(
-        name="a100",
-        # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS
-        # dense, TF32 156 TFLOPS dense, 80 GB HBM2e at 2039 GB/s, NVLink
-        # 600 GB/s bidirectional.
-        peak_flops=312e12,
-        peak_flops_f32=156e12,
-        hbm_bytes=80 * _GB,
-        hbm_bandwidth=2039 * _GB,
-        intra_bandwidth=600 * _GB / 2,
-        # NVIDIA DGX A100 datasheet: 8 x 200 Gb/s HDR InfiniBand (ConnectX-6),
-        # one per GPU.
-        inter_bandwidth=200e9 / 8,
-        # Estimates of the same order as NCCL's own tuning model
-        # (nccl src/graph/tuning.cc hwLat: NVLink ring ~2.5-5.7 us/step,
-        # network ring ~6.6-9.6 us/step).
-        intra_latency_s=5e-6,
-        inter_latency_s=10e-6,
-        devices_per_host=8,
-        intra_domain_size=8,
-    ),
-    "h100": DeviceProfile(
-        name="h100",
-        # NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1979 TFLOPS with
-        # sparsity (989.5 dense), TF32 989 with sparsity (494.5 dense), 80 GB
-        # HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional.
-        peak_flops=989.5e12,
-        peak_flops_f32=494.5e12,
-        hbm_bytes=80 * _GB,
-        hbm_bandwidth=3350 * _GB,
-        intra_bandwidth=900 * _GB / 2,
-        # NVIDIA DGX H100 datasheet: 8 x 400 Gb/s ConnectX-7 (NDR), one per GPU.
-        inter_bandwidth=400e9 / 8,
-        intra_latency_s=5e-6,
-        inter_latency_s=10e-6,
-        devices_per_host=8,
-        intra_domain_size=8,
-    ),
-    "h200": DeviceProfile(
-        name="h200",
-        # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1979 TFLOPS with
-        # sparsity (989.5 dense), TF32 989 with sparsity (494.5 dense), 141 GB
-        # HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional.
-        peak_flops=989.5e12,
-        peak_flops_f32=494.5e12,
-        hbm_bytes=141 * _GB,
-        hbm_bandwidth=4800 * _GB,
-        intra_bandwidth=900 * _GB / 2,
-        # NVIDIA DGX H200 datasheet: 8 x 400 Gb/s ConnectX-7, one per GPU.
-        inter_bandwidth=400e9 / 8,
-        intra_latency_s=5e-6,
-        inter_latency_s=10e-6,
-        devices_per_host=8,
-        intra_domain_size=8,
-    ),
-    # Assumptions, not a datasheet: one commodity host (16 AVX2 cores, ~1.5
-    # TFLOP/s f32, 64 GiB DDR at ~50 GB/s, 10 GbE) split into 8 XLA CPU
-    # devices, as with --xla_force_host_platform_device_count=8. Every figure
-    # is per device and rounded down.
-    "cpu": DeviceProfile(
-        name="cpu",
-        peak_flops=1e11,
-        peak_flops_f32=1e11,
-        hbm_bytes=64 * _GIB / 8,
-        hbm_bandwidth=50 * _GB / 8,
-        intra_bandwidth=5 * _GB,
-        inter_bandwidth=10e9 / 8 / 8,
-        intra_latency_s=10e-6,
-        inter_latency_s=50e-6,
-        devices_per_host=8,
-        intra_domain_size=8,
-        reduce_scatter=False,
-        canonical_convolutions=True,
-        reductions_duplicate=False,
-        combine_threshold_bytes=math.inf,
-    ),
-}
-
-
-# The DeviceProfile fields that describe its compiler's memory layout, not the chip.
-_COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
-                    "combine_threshold_bytes")
-
-
-def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
-  """A profile's figures with XLA:CPU's memory layout: to compare a plan's predicted
-  memory with what a CPU mesh standing in for that device compiles it to.
-
-  Example:
-    >>> compiled_by_xla_cpu("h100").name, compiled_by_xla_cpu("h100").reduce_scatter
-    ('h100 on XLA:CPU', False)
-  """
-  profile = get_profile(profile)
-  cpu = PROFILES["cpu"]
-  if profile.name == cpu.name or profile.name.endswith(" on XLA:CPU"):
-    return profile
-  return dataclasses.replace(profile, name=f"{profile.name} on XLA:CPU",
-                             **{f: getattr(cpu, f) for f in _COMPILER_LAYOUT})
-
-
-# `jax.devices()[0].device_kind` -> profile, matched in order on the lower-cased kind:
-# the TPU runtime says "TPU v5 lite" for v5e, "TPU v5" (or "TPU v5p") for v5p, "TPU v6
-# lite" for v6e; CUDA names the board ("NVIDIA H100 80GB HBM3").
-_KINDS = (("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v5 lite", "tpu-v5e"),
-          ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"),
-          ("tpu v4", "tpu-v4"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
-# A TPU topology name's generation ("v5p:4x4x4") -> profile.
-_GENERATIONS = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5litepod": "tpu-v5e",
-                "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
-
-
-def profile_for_kind(device_kind: str, platform: str = "") -> str:
-  """The profile of a device, from its `device_kind` (and platform, for the fallback).
-
-  Example:
-    >>> profile_for_kind("TPU v5 lite"), profile_for_kind("NVIDIA H100 80GB HBM3")
-    ('tpu-v5e', 'h100')
-  """
-  kind = device_kind.lower()
-  for part, name in _KINDS:
-    if part in kind:
-      return name
-  # An unknown generation: the nearest profile of its platform, not a crash.
-  return {"gpu": "h100", "tpu": "tpu-v5e"}.get(platform, "cpu")
-
-
-def profile_for_topology(topology: str) -> str:
-  """The profile of a TPU topology name ("v5p:4x4x4" -> "tpu-v5p").
-
-  Raises:
-    ValueError: a generation no profile describes.
-
-  Example:
-    >>> profile_for_topology("v6e:16x16")
-    'tpu-v6e'
-  """
-  generation = topology.split(":", 1)[0].lower()
-  if generation not in _GENERATIONS:
-    raise ValueError(f"TPU topology {topology!r}: no device profile for generation "
-                     f"{generation!r}; known: {', '.join(sorted(_GENERATIONS))}.")
-  return _GENERATIONS[generation]
-
-
-def get_profile(name: str | DeviceProfile) -> DeviceProfile:
-  """Looks up a device profile by name (a profile passes through).
-
-  Args:
-    name: a key of `PROFILES`, e.g. "tpu-v5e", or a `DeviceProfile`.
-
-  Returns:
-    The profile.
-
-  Raises:
-    ValueError: unknown name; the message lists the valid ones.
-
-  Example:
-    >>> get_profile("tpu-v5e").peak_flops
-    197000000000000.0
-  """
-  if isinstance(name, DeviceProfile):
-    return name
-  try:
-    return PROFILES[name]
-  except (KeyError, TypeError):
-    raise ValueError(
-        f"Unknown device profile {name!r}; valid names: {', '.join(sorted(PROFILES))}."
-    ) from None
-
-
-def compute_time(flops: float, profile: str | DeviceProfile, dtype: str = "bfloat16") -> float:
-  """Seconds to run `flops` on one chip at peak.
-
-  Args:
-    flops: floating-point operations per device.
-    profile: device profile or its name.
-    dtype: operand dtype name; 32/64-bit floats use `peak_flops_f32`, anything
-      narrower uses the bf16 peak.
-
-  Returns:
-    flops / peak FLOP/s.
-
-  Example:
-    >>> compute_time(989.5e12, "h100")
-    1.0
-  """
-  profile = get_profile(profile)
-  wide = dtype in ("float32", "float64", "complex64", "complex128", "f32", "f64")
-  return flops / (profile.peak_flops_f32 if wide else profile.peak_flops)
-
-
-def roofline_time(flops: float, nbytes: float, profile: str | DeviceProfile,
-                  dtype: str = "bfloat16") -> float:
-  """Seconds one op takes on one chip: bound by its FLOPs or by its memory traffic.
-
-  Args:
-    flops: floating-point operations per device.
-    nbytes: bytes the op reads from and writes to device memory, per device.
-    profile: device profile or its name.
-    dtype: as for `compute_time`.
-
-  Returns:
-    max(flops / peak FLOP/s, nbytes / HBM bandwidth).
-
-  Example:
-    >>> roofline_time(0, 3350e9, "h100")  # an elementwise op over 3.35 TB: 1 s
-    1.0
-    >>> roofline_time(989.5e12, 1.0, "h100")  # a matmul: compute bound
-    1.0
-  """
-  profile = get_profile(profile)
-  moved = nbytes / profile.hbm_bandwidth
-  return max(compute_time(flops, profile, dtype) if flops else 0.0, moved)
-
-
-def _check_link(link: str) -> str:
-  if link not in _LINKS:
-    raise ValueError(f"Unknown link kind {link!r}; use 'intra' or 'inter'.")
-  return link
 
 
 # ---------------------------------------------------------------------------
@@ -485,7 +95,7 @@ class MeshSpec:
       seen.add(name)
       if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"Mesh axis {name!r} has size {size!r}; use a positive int.")
-      if link not in _LINKS:
+      if link not in LINKS:
         raise ValueError(f"Mesh axis {name!r} has link {link!r}; use 'intra' or 'inter'.")
 
   @property
@@ -551,7 +161,7 @@ def mesh_spec(
           f"links names axis {name!r}, which is not in the mesh {names}; "
           "drop it or add the axis to axis_sizes."
       )
-    if link not in _LINKS:
+    if link not in LINKS:
       raise ValueError(f"links[{name!r}] is {link!r}; use 'intra' or 'inter'.")
   for name, size in zip(names, sizes):
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
@@ -860,17 +470,6 @@ def reshard(
     ('all-to-all', 96.0)
   """
   return _reshard(tuple(shape), int(itemsize), src, dst, mesh, get_profile(profile))
-
-
-def reshard_time(shape, itemsize, src, dst, mesh, profile) -> float:
-  """Total seconds of `reshard` (same arguments).
-
-  Example:
-    >>> m = mesh_spec({"model": 4}, "h100")
-    >>> reshard_time((8,), 4, Layout(("model",)), Layout(("model",)), m, "h100")
-    0.0
-  """
-  return math.fsum(c.time_s for c in reshard(shape, itemsize, src, dst, mesh, profile))
 
 
 def reshard_bytes(shape, itemsize, src, dst, mesh, profile) -> float:

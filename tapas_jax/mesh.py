@@ -12,15 +12,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
 from tapas_jax import options
-from tapas_jax.options import MeshError
+from tapas_jax.options import MeshError, check_auto
 
-__all__ = ["MeshError", "check_auto", "make_mesh"]
+__all__ = ["MeshError", "check_auto", "default_mesh", "make_mesh", "resolve_mesh"]
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -56,14 +57,42 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
                        axis_types=(AxisType.Auto,) * len(axes))
 
 
-def check_auto(mesh: Mesh) -> Mesh:
-  """Returns `mesh` if every axis is Auto; else a `MeshError` that says how to fix it."""
-  types = getattr(mesh, "axis_types", None) or ()
-  explicit = [n for n, t in zip(mesh.axis_names, types) if t != AxisType.Auto]
-  if explicit:
-    raise MeshError(
-        f"mesh axes {explicit} are not AxisType.Auto ({[str(t) for t in types]}); sharding "
-        "constraints on Explicit axes are only checks and cannot steer the compiler. "
-        "Build the mesh with tapas_jax.make_mesh(...) or pass "
-        "axis_types=(jax.sharding.AxisType.Auto,) * n to jax.make_mesh.")
-  return mesh
+def default_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+  """The mesh `tapas.shard` uses when none is given: `{"data": n // m, "model": m}`.
+
+  `m` is the largest divisor of the device count `n` with `m * m <= n` (8 devices:
+  data 4 x model 2; a prime count: one `data` axis). Two axes let the search combine
+  a split of the batch with a split of the weights (data x tensor parallel, or ZeRO
+  over `data`), which one axis cannot; and `shard` lets the search put the batch on
+  either axis, so the names are labels and a plan can still use all `n` devices for
+  the batch. It spans `jax.devices()` (every process's devices, as a multi-host jit
+  needs), and every axis is `AxisType.Auto`.
+
+  Example:
+    >>> dict(default_mesh().shape)   # 8 devices
+    {'data': 4, 'model': 2}
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  n = len(devices)
+  m = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+  axes = {"data": n // m, "model": m} if m > 1 else {"data": n}
+  return make_mesh(axes, devices)
+
+
+def resolve_mesh(mesh: Any) -> jax.sharding.Mesh:
+  """The concrete mesh to plan and run on (see `tapas_jax.api.SearchOptions.mesh`).
+
+  Raises:
+    MeshError: the mesh (given or from context) has Explicit axes, or a dict of sizes
+      does not match the device count.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+      return default_mesh()
+  if isinstance(mesh, Mapping):
+    return make_mesh(dict(mesh))
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise MeshError(f"shard: mesh= must be a jax.sharding.Mesh or a dict of axis sizes, "
+                    f"got {type(mesh).__name__}; build one with tapas_jax.make_mesh(...)")
+  return check_auto(mesh)

@@ -25,13 +25,21 @@ import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from jax.sharding import AxisType
 
-__all__ = ["MeshError", "OptionError", "batch_axes", "device", "donate_argnums", "flag",
-           "format_bytes", "kwargs", "memory_bytes", "mesh_axes", "solver", "time_limit",
-           "topology"]
+from tapas_jax.errors import TapasError
+from tapas_jax.profiles import PROFILES
+
+__all__ = ["SOLVERS", "MeshError", "OptionError", "batch_axes", "check_auto", "device",
+           "donate_argnums", "flag", "format_bytes", "kwargs", "memory_bytes", "mesh_axes",
+           "solver", "time_limit", "topology"]
 
 # A caller that leaves `batch_axes` alone gets the axes with conventional batch names.
 DEFAULT = "default"
+
+# The solvers `tapas_jax.solver.solve` runs: variable elimination over the folded
+# view's layers, or the integer program over every op.
+SOLVERS = ("elimination", "ilp")
 
 _UNITS = {"": 1, "b": 1,
           "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -40,7 +48,7 @@ _UNITS = {"": 1, "b": 1,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-class OptionError(ValueError):
+class OptionError(TapasError, ValueError):
   """An option of a tapas_jax entry point has a value it cannot use."""
 
 
@@ -72,7 +80,6 @@ def mesh_axes(mesh: Any, where: str = "search") -> dict[str, int]:
   if isinstance(mesh, Mapping):
     items = list(mesh.items())
   elif hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
-    from tapas_jax.mesh import check_auto  # noqa: PLC0415 - mesh.py imports this module
     if hasattr(mesh, "axis_types"):
       check_auto(mesh)
     items = list(dict(mesh.shape).items())
@@ -95,6 +102,26 @@ def mesh_axes(mesh: Any, where: str = "search") -> dict[str, int]:
   return out
 
 
+def check_auto(mesh: Any) -> Any:
+  """Returns `mesh` if every axis is Auto; else a `MeshError` that says how to fix it.
+
+  Example:
+    >>> import jax
+    >>> from jax.sharding import AxisType
+    >>> check_auto(jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))).axis_names
+    ('data',)
+  """
+  types = getattr(mesh, "axis_types", None) or ()
+  explicit = [n for n, t in zip(mesh.axis_names, types) if t != AxisType.Auto]
+  if explicit:
+    raise MeshError(
+        f"mesh axes {explicit} are not AxisType.Auto ({[str(t) for t in types]}); sharding "
+        "constraints on Explicit axes are only checks and cannot steer the compiler. "
+        "Build the mesh with tapas_jax.make_mesh(...) or pass "
+        "axis_types=(jax.sharding.AxisType.Auto,) * n to jax.make_mesh.")
+  return mesh
+
+
 def device(name: Any, where: str = "search") -> str | None:
   """A known device profile name, or None for the local platform's.
 
@@ -102,7 +129,6 @@ def device(name: Any, where: str = "search") -> str | None:
     >>> device("h100")
     'h100'
   """
-  from tapas_jax.cost import PROFILES  # noqa: PLC0415
   if name is None or (isinstance(name, str) and name in PROFILES):
     return name
   if hasattr(name, "peak_flops") and hasattr(name, "name"):
@@ -220,8 +246,7 @@ def flag(value: Any, name: str, where: str = "search") -> bool:
 
 
 def solver(value: Any, where: str = "search") -> str | None:
-  """None (the view's default) or one of `tapas_jax.solver.SOLVERS`."""
-  from tapas_jax.solver import SOLVERS  # noqa: PLC0415
+  """None (the view's default) or one of `SOLVERS`."""
   if value is None or value in SOLVERS:
     return value
   raise OptionError(f"{where}: solver={value!r} is not a solver; use one of "

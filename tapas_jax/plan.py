@@ -2,7 +2,9 @@
 
 A `Plan` holds one pytree of `PartitionSpec` per positional argument (`in_specs`), the
 class-to-axes choice behind it, the strategy of each unique layer (the specs of its
-parameters), the predicted cost and the timings of each stage.
+parameters), the predicted cost and the timings of each stage. Its parts (`PlanStats`,
+`LayerStrategy`, ...) are defined in `tapas_jax.plan_records` and importable from here;
+`plan.save` and `Plan.load` go through `tapas_jax.plan_file`.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -28,156 +30,16 @@ import jax
 from jax.sharding import PartitionSpec
 
 from tapas_jax import cost as costlib
+from tapas_jax import plan_file
 from tapas_jax.options import format_bytes
 from tapas_jax.fold import Folded
+from tapas_jax.plan_records import (BaselineFigures, CompiledFigures, Constraint, Decision,
+                                    LayerStrategy, PlanStats)
 from tapas_jax.solver import Problem, Solution
 from tapas_jax.solver import memory, remat, tables
 
-__all__ = ["CompiledFigures", "Constraint", "LayerStrategy", "Plan", "PlanStats", "make_plan"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanStats:
-  """What planning took and what the plan is predicted to cost, per device.
-
-  Attributes:
-    num_equations: equations traced (every level of nesting).
-    num_layer_instances: layer instances folding found.
-    num_unique_layers: distinct layers among them.
-    trace_s: seconds tracing (`make_jaxpr` and the walk).
-    fold_s: seconds folding.
-    search_s: seconds building the problem and solving it.
-    predicted_step_s: predicted compute + communication seconds per step.
-    predicted_comm_bytes: bytes sent per device per step.
-    predicted_state_bytes: per-device bytes of the program's inputs.
-    predicted_memory_bytes: inputs plus the intermediates live at the activation peak.
-    cost_tables_built: op cost tables computed (not reused).
-    solver_status: "optimal"; "time_limit" when the integer program stopped early;
-      "exact over reduced domains (...)" when elimination had to narrow the choices.
-  """
-
-  num_equations: int
-  num_layer_instances: int
-  num_unique_layers: int
-  trace_s: float
-  fold_s: float
-  search_s: float
-  predicted_step_s: float
-  predicted_comm_bytes: float
-  predicted_state_bytes: float
-  predicted_memory_bytes: float
-  cost_tables_built: int
-  solver_status: str = "optimal"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerStrategy:
-  """How one unique layer is sharded: the specs of the parameters its instance reads.
-
-  Attributes:
-    name: the unique layer's name ("Block", "encoder/layers", "glue").
-    instances: how many instances use it.
-    param_specs: (path of a parameter read by its first instance, PartitionSpec it is
-      stored in).
-    use_specs: (path, PartitionSpec) for those of its parameters the compute reads in
-      another layout than they are stored in (ZeRO-3: stored split over `data`, gathered
-      for use); the gather happens once per step.
-  """
-
-  name: str
-  instances: int
-  param_specs: tuple[tuple[str, PartitionSpec], ...]
-  use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Constraint:
-  """A layout the applied program pins on one operand of one equation.
-
-  Where a value is read in another layout than it is made or stored in (a parameter
-  stored split over `data` and used gathered; a gradient made for the compute and
-  reduced into the update's layout), `apply` feeds the reading equation
-  `with_sharding_constraint(value, spec)`.
-
-  Attributes:
-    site: the reading equation's `Op.site` (equation indices through inlined calls).
-    slot: which operand.
-    spec: the layout it reads.
-  """
-
-  site: tuple[Any, ...]
-  slot: int
-  spec: PartitionSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What the search chose for one kind of dimension, and why.
-
-  Attributes:
-    name: a name users know: the logical axis name the program gives it (flax
-      `with_logical_partitioning` / nnx `with_partitioning`), "batch", or else a
-      parameter path and dim ("params/Block_*/MLP/fc1/kernel[1]").
-    size: the dimension's size.
-    axes: mesh axes it is split over (() = not split).
-    why: the best single change and its price, everything else kept: "replicated:
-      over model +37.2 us/step (+1.5 MiB sent)".
-  """
-
-  name: str
-  size: int
-  axes: tuple[str, ...]
-  why: str
-
-
-@dataclasses.dataclass(frozen=True)
-class BaselineFigures:
-  """A baseline layout costed by the same model on the same program and mesh.
-
-  Attributes:
-    name: "data_parallel" or "fsdp" (see `tapas_jax.baselines`).
-    step_s, comm_bytes, memory_bytes: as `PlanStats`' predicted figures.
-  """
-
-  name: str
-  step_s: float
-  comm_bytes: float
-  memory_bytes: float
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledFigures:
-  """What the compiler made of a plan (`tapas.verify`), as the plan carries and saves it.
-
-  Attributes:
-    target: the TPU topology compiled for ("v5p:2x2x1") or "local <platform>".
-    argument_bytes, output_bytes, alias_bytes, temp_bytes: per device, from the
-      compiler's `memory_analysis()`.
-    hbm_bytes: the memory a device may use, judged against.
-    fits: whether it compiled with its peak within `hbm_bytes`.
-    flops: the compiler's FLOPs per device.
-    comm_bytes: (collective kind, bytes sent per device) of the compiled HLO.
-    rounds: (memory budget searched under, predicted bytes, compiled peak bytes) of each
-      search `search(..., verify=...)` made; the last is this plan's.
-    error: the first line of the compiler's message when it rejected the program.
-  """
-
-  target: str
-  argument_bytes: int
-  output_bytes: int
-  alias_bytes: int
-  temp_bytes: int
-  hbm_bytes: float
-  fits: bool
-  flops: float
-  comm_bytes: tuple[tuple[str, float], ...] = ()
-  rounds: tuple[tuple[float, float, float], ...] = ()
-  error: str = ""
-
-  @property
-  def peak_bytes(self) -> int:
-    """Arguments + temporaries + outputs - aliased outputs."""
-    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+__all__ = ["BaselineFigures", "CompiledFigures", "Constraint", "Decision", "LayerStrategy",
+           "Plan", "PlanStats", "make_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +88,6 @@ class Plan:
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
-    from tapas_jax import plan_file  # noqa: PLC0415 - plan_file imports this module
     plan_file.save(self, path)
 
   def bind(self, *args: Any, kwargs: Mapping[str, Any] | None = None) -> "Plan":
@@ -237,7 +98,6 @@ class Plan:
     Raises:
       ValueError: the arguments' leaves have other key paths than the plan's.
     """
-    from tapas_jax import plan_file  # noqa: PLC0415
     kwargs = dict(kwargs or {})
     if len(args) != len(self.in_specs) or sorted(kwargs) != sorted(self.kwargs_specs):
       raise ValueError(f"bind: plan {self.name!r} has specs for {len(self.in_specs)} "
@@ -255,8 +115,7 @@ class Plan:
   def load(cls, path) -> "Plan":
     """Reads a plan `save` wrote. Raises `plan_file.PlanFileError` (a ValueError)
     naming the field that is wrong in a truncated or edited file."""
-    from tapas_jax import plan_file  # noqa: PLC0415
-    return plan_file.load(path)
+    return plan_file.load(path, cls)
 
   def summary(self, width: int = 100) -> str:
     """Readable report, lines at most `width` characters: the cost next to the

@@ -52,7 +52,8 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec
 
-from tapas_jax import plan as planlib
+from tapas_jax import plan_records as records
+from tapas_jax.errors import TapasError
 from tapas_jax.solver import remat as rematlib
 from tapas_jax.trace import key_path_str
 
@@ -70,7 +71,7 @@ _KEY_KINDS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-class PlanFileError(ValueError):
+class PlanFileError(TapasError, ValueError):
   """A plan file that cannot be written or read back; the message names the field."""
 
 
@@ -203,8 +204,8 @@ def _tree_json(tree: Any, where: str) -> Any:
           "children": [_tree_json(c, f"{where}/{k[1]}") for k, c in zip(keys, children)]}
 
 
-def to_json(plan: planlib.Plan) -> dict[str, Any]:
-  """The plan as JSON-ready data (dicts, lists, strings, numbers)."""
+def to_json(plan: Any) -> dict[str, Any]:
+  """The plan (a `tapas_jax.Plan`) as JSON-ready data (dicts, lists, strings, numbers)."""
   out = {
       "schema": SCHEMA,
       "version": VERSION,
@@ -244,7 +245,7 @@ def to_json(plan: planlib.Plan) -> dict[str, Any]:
   return out
 
 
-def save(plan: planlib.Plan, path: str | os.PathLike) -> None:
+def save(plan: Any, path: str | os.PathLike) -> None:
   """Writes the plan to `path` as JSON, atomically (temporary file, then rename)."""
   try:
     text = json.dumps(to_json(plan), indent=1, allow_nan=False)
@@ -404,9 +405,16 @@ _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs"
         "decisions", "baselines", "remat", "compiled"}
 
 
-def from_json(data: Any, source: str = "plan") -> planlib.Plan:
-  """A `Plan` from `to_json`'s data, every field checked (`PlanFileError` names the
-  first bad one)."""
+def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") -> Any:
+  """A plan from `to_json`'s data, every field checked (`PlanFileError` names the
+  first bad one).
+
+  Args:
+    data: what `to_json` returned, or `json.load` read.
+    plan_type: the class to build, `tapas_jax.Plan` (passed in: the `Plan` class,
+      whose `save` and `load` call this module, lives a stage above it).
+    source: the file or object named in error messages.
+  """
   r = _Reader(source)
   if not isinstance(data, dict):
     raise r.fail("the file", "a JSON object", data)
@@ -458,14 +466,14 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
            r.spec(ps[1], f"{where}.{kind}[{i}][1]"))
           for i, ps in enumerate(r.array(r.field(la, kind, f"{where}.{kind}"),
                                          f"{where}.{kind}")))
-    layers.append(planlib.LayerStrategy(
+    layers.append(records.LayerStrategy(
         name=r.string(r.field(la, "name", f"{where}.name"), f"{where}.name"),
         instances=r.integer(r.field(la, "instances", f"{where}.instances"),
                             f"{where}.instances", low=1), **specs))
   stats = r.mapping(r.field(data, "stats", "stats"), "stats",
-                    {f.name for f in dataclasses.fields(planlib.PlanStats)})
+                    {f.name for f in dataclasses.fields(records.PlanStats)})
   values = {}
-  for f in dataclasses.fields(planlib.PlanStats):
+  for f in dataclasses.fields(records.PlanStats):
     where = f"stats.{f.name}"
     value = r.field(stats, f.name, where)
     if f.type in ("int", int):
@@ -482,14 +490,14 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
     for i, s in enumerate(site):
       if isinstance(s, bool) or not isinstance(s, (int, str)):
         raise r.fail(f"{where}.site[{i}]", "an equation index or a param name", s)
-    constraints.append(planlib.Constraint(
+    constraints.append(records.Constraint(
         site=tuple(site), slot=r.integer(r.field(c, "slot", f"{where}.slot"), f"{where}.slot"),
         spec=r.spec(r.field(c, "spec", f"{where}.spec"), f"{where}.spec")))
   decisions = []
   for j, d in enumerate(r.array(data.get("decisions", []), "decisions")):  # a report:
     where = f"decisions[{j}]"                                          # optional
     r.mapping(d, where, {"name", "size", "axes", "why"})
-    decisions.append(planlib.Decision(
+    decisions.append(records.Decision(
         name=r.string(r.field(d, "name", f"{where}.name"), f"{where}.name"),
         size=r.integer(r.field(d, "size", f"{where}.size"), f"{where}.size", low=1),
         axes=tuple(r.axis(a, f"{where}.axes[{i}]") for i, a in
@@ -502,7 +510,7 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
     figures = {k: math.inf if r.field(b, k, f"{where}.{k}") is None
                else float(r.number(b[k], f"{where}.{k}"))
                for k in ("step_s", "comm_bytes", "memory_bytes")}
-    baselines.append(planlib.BaselineFigures(
+    baselines.append(records.BaselineFigures(
         name=r.string(r.field(b, "name", f"{where}.name"), f"{where}.name"), **figures))
   remat = []
   for j, item in enumerate(r.array(data.get("remat", []), "remat")):  # optional: older
@@ -512,19 +520,19 @@ def from_json(data: Any, source: str = "plan") -> planlib.Plan:
       raise r.fail(f"remat[{j}][1]", f"one of {rematlib.POLICIES}", policy)
     remat.append((r.string(layer, f"remat[{j}][0]"), policy))
   compiled = _compiled(r, data["compiled"]) if "compiled" in data else None
-  return planlib.Plan(
+  return plan_type(
       mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
       in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
-      stats=planlib.PlanStats(**values), fingerprint=fingerprint,
+      stats=records.PlanStats(**values), fingerprint=fingerprint,
       name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
       kwargs_specs=kwargs_specs, input_types=tuple(input_types),
       decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat),
       compiled=compiled)
 
 
-def _compiled(r: _Reader, value: Any) -> planlib.CompiledFigures:
+def _compiled(r: _Reader, value: Any) -> records.CompiledFigures:
   """The compiler's figures (`plan.compiled`), every field checked."""
-  names = {f.name for f in dataclasses.fields(planlib.CompiledFigures)}
+  names = {f.name for f in dataclasses.fields(records.CompiledFigures)}
   c = r.mapping(value, "compiled", names)
   field = lambda k: r.field(c, k, f"compiled.{k}")  # noqa: E731
   ints = {k: r.integer(field(k), f"compiled.{k}") for k in
@@ -539,7 +547,7 @@ def _compiled(r: _Reader, value: Any) -> planlib.CompiledFigures:
       raise r.fail(f"compiled.rounds[{i}]", "[budget, predicted, compiled] bytes", item)
     rounds.append(tuple(math.inf if x is None else float(r.number(
         x, f"compiled.rounds[{i}][{j}]")) for j, x in enumerate(item)))
-  return planlib.CompiledFigures(
+  return records.CompiledFigures(
       target=r.string(field("target"), "compiled.target"), **ints,
       hbm_bytes=float(r.number(field("hbm_bytes"), "compiled.hbm_bytes")),
       fits=r.of(field("fits"), bool, "compiled.fits", "true or false"),
@@ -562,8 +570,9 @@ def _open_at_end(text: str) -> bool:
   return in_string or depth > 0
 
 
-def load(path: str | os.PathLike) -> planlib.Plan:
-  """Reads a plan `save` wrote; `PlanFileError` names what is wrong with a bad file."""
+def load(path: str | os.PathLike, plan_type: Callable[..., Any]) -> Any:
+  """Reads a plan `save` wrote, as a `plan_type` (`tapas_jax.Plan`: see `from_json`);
+  `PlanFileError` names what is wrong with a bad file."""
   source = os.fspath(path)
   try:
     with open(source, encoding="utf-8") as f:
@@ -577,4 +586,4 @@ def load(path: str | os.PathLike) -> planlib.Plan:
         else ""
     raise PlanFileError(f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: "
                         f"{e.msg}{cut}. Save the plan again.") from None
-  return from_json(data, source)
+  return from_json(data, plan_type, source)

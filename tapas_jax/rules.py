@@ -29,9 +29,10 @@ exception is `reshape`, whose factor across a split or merged dim has size
 gcd(input dim, output dim), smaller than one of them (see `_reshape`).
 
 Rules are plain functions `(params, in_shapes, out_shapes) -> OpRule` registered by
-primitive name in `RULES`; `params` are the jaxpr equation's own param values
-(`Op.raw_params`). Params that are JAX objects (dimension numbers) are read only
-through the parsers of `tapas_jax._jax_internals` (`jx.gather_dims(params)`, ...).
+primitive name in `RULES` (the record and the registry: `tapas_jax.op_rule`); `params`
+are the jaxpr equation's own param values (`Op.raw_params`). Params that are JAX
+objects (dimension numbers) are read only through the parsers of
+`tapas_jax._jax_internals` (`jx.gather_dims(params)`, ...).
 A primitive without a rule is kept replicated, with one warning.
 
 A rule that fails (raises) on an equation also leaves it replicated with one warning,
@@ -58,184 +59,21 @@ import dataclasses
 import functools
 import math
 import os
-import string
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tapas_jax import _jax_internals as jx
+# The record and the registry; their names stay importable from here.
+from tapas_jax.op_rule import (COMBINES, RULES, Dims, OpRule, RuleFn, Shape,  # noqa: F401
+                               default_rule, register)
+from tapas_jax.op_rule import Factors as _Factors
+from tapas_jax.op_rule import elements as _size
+from tapas_jax.op_rule import norm_axis as _norm_axis
+from tapas_jax.op_rule import unsplit as _unsplit
 
 __all__ = ["ELEMENTWISE", "IDENTITY", "OpRule", "RULES", "STRICT_ENV", "Shape", "default_rule",
            "is_strict", "register", "rule_for", "rule_of", "strict_rules"]
-
-Shape = tuple[int, ...]
-Dims = tuple[int | None, ...]
-RuleFn = Callable[[Mapping[str, Any], Sequence[Shape], Sequence[Shape]], "OpRule"]
-
-# How the partial results of a `reduce` factor combine.
-COMBINES = ("sum", "max", "min", "prod", "and", "or", "xor")
-
-
-@dataclasses.dataclass(frozen=True)
-class OpRule:
-  """Einsum-like sharding rule of one op.
-
-  Attributes:
-    factor_sizes: size of each factor (dimension variable). A split over mesh axes
-      must divide it evenly.
-    inputs: per op input, per dim: factor index, or None = that dim must stay
-      unsplit. Scalars (and literals) have no dims.
-    outputs: per op output, per dim: factor index or None.
-    reduce: factors summed or reduced away (dot_general contracting dims,
-      reduce_sum axes, the vocab dim of an embedding gather, the batch dims of an
-      embedding-gradient scatter-add): splitting one leaves every output partial
-      over its mesh axes.
-    flops: total FLOPs of the op, unsharded (dot_general 2*prod(all factors), conv
-      2*out_elems*kernel_spatial*in_features_per_group, elementwise: output
-      elements, reductions and scans: input elements, data movement: 0).
-    combine: how partial outputs of `reduce` factors combine: "sum" (also for
-      gather/scatter-add, which are masked lookups summed), "max", "min", "prod",
-      "and", "or", "xor". All cost the same all-reduce; the name is for reports
-      and for anyone materialising partials by hand.
-
-  Example:
-    >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),
-    ...            outputs=((0, 2),), reduce=(1,), flops=2 * 8 * 4 * 16)
-    >>> r.einsum()
-    'ab,bc->ac'
-  """
-
-  factor_sizes: tuple[int, ...]
-  inputs: tuple[Dims, ...]
-  outputs: tuple[Dims, ...]
-  reduce: tuple[int, ...] = ()
-  flops: int = 0
-  combine: str = "sum"
-
-  def __post_init__(self):
-    n = len(self.factor_sizes)
-    in_factors, out_factors = set(), set()
-    for group, seen in ((self.inputs, in_factors), (self.outputs, out_factors)):
-      for dims in group:
-        used = [f for f in dims if f is not None]
-        if len(used) != len(set(used)) or any(not 0 <= f < n for f in used):
-          raise ValueError(f"OpRule: bad factors {dims} for {n} factors: each factor "
-                           "indexes at most one dim of a tensor")
-        seen.update(used)
-    red = set(self.reduce)
-    if red & out_factors:
-      raise ValueError(f"OpRule: reduce factors {sorted(red & out_factors)} index an "
-                       "output")
-    if in_factors - out_factors - red:
-      raise ValueError(f"OpRule: factors {sorted(in_factors - out_factors - red)} index "
-                       "inputs only; add them to reduce or use None")
-    if self.combine not in COMBINES:
-      raise ValueError(f"OpRule: combine {self.combine!r} is not one of {COMBINES}")
-
-  @property
-  def num_factors(self) -> int:
-    return len(self.factor_sizes)
-
-  def einsum(self) -> str:
-    """The rule as einsum text: one letter per factor, `_` for an unsplittable dim.
-
-    Letters follow factor order; reduce factors are the ones missing on the right.
-
-    Example:
-      >>> OpRule((4, 3), inputs=((0, None), (1,)), outputs=((0, 1),)).einsum()
-      'a_,b->ab'
-    """
-    letters = string.ascii_letters
-    if self.num_factors > len(letters):
-      return f"<{self.num_factors} factors>"
-
-    def text(dims: Dims) -> str:
-      return "".join("_" if f is None else letters[f] for f in dims)
-
-    return (",".join(text(d) for d in self.inputs) + "->" +
-            ",".join(text(d) for d in self.outputs))
-
-  def flops_per_device(self, assignment: Mapping[int, Sequence[str]],
-                       axis_sizes: Mapping[str, int]) -> float:
-    """FLOPs one device runs: every factor splits the iteration space.
-
-    Example:
-      >>> r = OpRule((8, 4, 16), ((0, 1), (1, 2)), ((0, 2),), reduce=(1,), flops=1024)
-      >>> r.flops_per_device({0: ("data",), 1: ("model",)}, {"data": 2, "model": 4})
-      128.0
-    """
-    shards = math.prod(axis_sizes[a] for axes in assignment.values() for a in axes)
-    return self.flops / shards
-
-
-# -- building rules ---------------------------------------------------------------
-
-
-class _Factors:
-  """Hands out factor indices; dims of size <= 1 get None (nothing to split)."""
-
-  def __init__(self):
-    self.sizes: list[int] = []
-
-  def new(self, size: int) -> int | None:
-    if size <= 1:
-      return None
-    self.sizes.append(int(size))
-    return len(self.sizes) - 1
-
-  def rule(self, inputs: Iterable[Iterable[int | None]],
-           outputs: Iterable[Iterable[int | None]], reduce: Iterable[int | None] = (),
-           flops: int = 0, combine: str = "sum") -> OpRule:
-    return OpRule(factor_sizes=tuple(self.sizes),
-                  inputs=tuple(tuple(d) for d in inputs),
-                  outputs=tuple(tuple(d) for d in outputs),
-                  reduce=tuple(f for f in reduce if f is not None),
-                  flops=int(flops), combine=combine)
-
-
-def _size(shape: Shape) -> int:
-  return math.prod(shape)
-
-
-def _unsplit(shapes: Sequence[Shape]) -> tuple[Dims, ...]:
-  return tuple((None,) * len(s) for s in shapes)
-
-
-def _norm_axis(axis: int, rank: int) -> int:
-  return axis + rank if axis < 0 else axis
-
-
-def default_rule(in_shapes: Sequence[Shape], out_shapes: Sequence[Shape]) -> OpRule:
-  """Every dim unsplit: operands replicated, results replicated.
-
-  Example:
-    >>> default_rule([(4, 8)], [(8,)]).einsum()
-    '__->_'
-  """
-  return OpRule((), _unsplit(in_shapes), _unsplit(out_shapes))
-
-
-RULES: dict[str, RuleFn] = {}
-
-
-def register(*primitives: str) -> Callable[[RuleFn], RuleFn]:
-  """Decorator: registers a rule function for the named primitives.
-
-  Example:
-    >>> @register("my_identity")
-    ... def _identity(params, ins, outs):
-    ...   return _elementwise(params, ins, outs)
-    >>> rule_of("my_identity", {}, [(4,)], [(4,)]).einsum()
-    'a->a'
-    >>> del RULES["my_identity"]
-  """
-
-  def deco(fn: RuleFn) -> RuleFn:
-    for name in primitives:
-      RULES[name] = fn
-    return fn
-
-  return deco
 
 
 # -- elementwise and identity-like ------------------------------------------------

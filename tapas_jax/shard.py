@@ -28,17 +28,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tapas_jax import _jax_internals as jx
-from tapas_jax import api
 from tapas_jax import plan as planlib
+from tapas_jax.api import SearchOptions
 from tapas_jax.apply import apply as apply_plan
-from tapas_jax.mesh import MeshError, check_auto, make_mesh
+from tapas_jax.apply import place_as_planned
+from tapas_jax.mesh import default_mesh, resolve_mesh
 
 __all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "place_as_planned",
            "resolve_mesh", "shard"]
@@ -46,74 +45,6 @@ __all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "place_as_planned
 # Options only a function takes, and only a module class takes.
 _FUNCTION_OPTIONS = ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames")
 _MODULE_OPTIONS = ("loss_fn", "optimizer", "example_inputs")
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchOptions:
-  """How `shard` searches: the arguments it passes on to `tapas.search`.
-
-  Attributes:
-    mesh: a `jax.sharding.Mesh` (Auto axes) or a dict of axis sizes; None: the
-      `jax.set_mesh` context, else `default_mesh()`.
-    device: device profile name; None: from the local platform.
-    memory_budget: per-device bytes the plan may take (see `tapas.search`).
-    batch_axes: as for `tapas.search` (default: any axis).
-    fold: search each unique layer once.
-  """
-
-  mesh: Any = None
-  device: str | None = None
-  memory_budget: float | None = None
-  batch_axes: Any = "default"
-  fold: bool = True
-
-  def search(self, fn, args: Sequence[Any], mesh: jax.sharding.Mesh) -> planlib.Plan:
-    """`tapas.search` on `mesh` (whose axis names are labels: the batch may take any
-    axis by default)."""
-    return api.search(fn, *args, mesh=mesh, device=self.device,
-                      memory_budget=self.memory_budget, batch_axes=self.batch_axes,
-                      fold=self.fold)
-
-
-def default_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """The mesh `shard` uses when none is given: `{"data": n // m, "model": m}`.
-
-  `m` is the largest divisor of the device count `n` with `m * m <= n` (8 devices:
-  data 4 x model 2; a prime count: one `data` axis). Two axes let the search combine
-  a split of the batch with a split of the weights (data x tensor parallel, or ZeRO
-  over `data`), which one axis cannot; and `shard` lets the search put the batch on
-  either axis, so the names are labels and a plan can still use all `n` devices for
-  the batch. It spans `jax.devices()` (every process's devices, as a multi-host jit
-  needs), and every axis is `AxisType.Auto`.
-
-  Example:
-    >>> dict(default_mesh().shape)   # 8 devices
-    {'data': 4, 'model': 2}
-  """
-  devices = list(devices if devices is not None else jax.devices())
-  n = len(devices)
-  m = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-  axes = {"data": n // m, "model": m} if m > 1 else {"data": n}
-  return make_mesh(axes, devices)
-
-
-def resolve_mesh(mesh: Any) -> jax.sharding.Mesh:
-  """The concrete mesh to plan and run on (see `SearchOptions.mesh`).
-
-  Raises:
-    MeshError: the mesh (given or from context) has Explicit axes, or a dict of sizes
-      does not match the device count.
-  """
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
-      return default_mesh()
-  if isinstance(mesh, Mapping):
-    return make_mesh(dict(mesh))
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise MeshError(f"shard: mesh= must be a jax.sharding.Mesh or a dict of axis sizes, "
-                    f"got {type(mesh).__name__}; build one with tapas_jax.make_mesh(...)")
-  return check_auto(mesh)
 
 
 def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
@@ -390,17 +321,6 @@ def _abstract(values: Sequence[Any], labels: Sequence[str]) -> list[Any]:
                       f"{', '.join(kinds) or 'a non-array'}); mark it static with "
                       f"static_argnums= or static_argnames=") from None
   return out
-
-
-def place_as_planned(tree: Any, shardings: Any) -> Any:
-  """Concrete arrays moved to their planned sharding (jit refuses a committed array in
-  another one); tracers, scalars and abstract values pass: jit's in_shardings take them."""
-  def move(x, s):
-    if isinstance(x, jax.Array) and not jx.is_tracer(x) and \
-        not x.sharding.is_equivalent_to(s, x.ndim):
-      return jax.device_put(x, s)
-    return x
-  return jax.tree.map(move, tree, shardings)
 
 
 def _shardings(plan: planlib.Plan, mesh) -> tuple[Any, ...]:

@@ -83,8 +83,10 @@ from tapas_jax import api
 from tapas_jax import cost as costlib
 from tapas_jax import plan as planlib
 from tapas_jax import solver
+from tapas_jax.api import SearchOptions
 from tapas_jax.apply import apply as apply_plan
-from tapas_jax.shard import SearchOptions, place_as_planned as _place, resolve_mesh
+from tapas_jax.apply import place_as_planned as _place
+from tapas_jax.mesh import resolve_mesh
 
 __all__ = ["ModulePlan", "default_loss", "optimizer_state", "shard_class", "shard_linen",
            "shard_nnx"]

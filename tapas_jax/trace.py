@@ -35,11 +35,12 @@ import jax
 import numpy as np
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax.errors import TapasError
 
 __all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TraceError", "trace"]
 
 
-class TraceError(ValueError):
+class TraceError(TapasError, ValueError):
   """A function or its arguments could not be traced."""
 
 

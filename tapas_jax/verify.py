@@ -38,6 +38,7 @@ from tapas_jax import measure
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax.apply import apply as apply_plan
+from tapas_jax.errors import TapasError
 from tapas_jax.mesh import make_mesh
 
 __all__ = ["TPU_EXTRA", "USABLE_HBM", "LibtpuMissingError", "Verified",
@@ -64,7 +65,7 @@ _USED = re.compile(r"Used (?P<need>[\d.]+)(?P<nu>[KMGTP]?)i?B? of (?P<have>[\d.]
                    r"(?P<hu>[KMGTP]?)i?B? hbm")
 
 
-class LibtpuMissingError(ImportError):
+class LibtpuMissingError(TapasError, ImportError):
   """A TPU topology was asked for, and libtpu (the TPU compiler) cannot be loaded."""
 
 

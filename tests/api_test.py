@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
       "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
-      "TraceError", "Verified", "apply", "fold", "make_mesh", "models", "place",
+      "TapasError", "TraceError", "Verified", "apply", "fold", "make_mesh", "models", "place",
       "remat_policy", "search", "shard", "trace", "verify"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name

@@ -6,10 +6,12 @@ import sys
 
 import pytest
 
-MODULES = ["tapas_jax", "tapas_jax._jax_internals", "tapas_jax.trace", "tapas_jax.fold",
-           "tapas_jax.cost", "tapas_jax.rules", "tapas_jax.mesh", "tapas_jax.api", "tapas_jax.plan",
+MODULES = ["tapas_jax", "tapas_jax.errors", "tapas_jax._jax_internals", "tapas_jax.trace",
+           "tapas_jax.fold", "tapas_jax.cost", "tapas_jax.profiles", "tapas_jax.op_rule",
+           "tapas_jax.rules", "tapas_jax.mesh", "tapas_jax.api", "tapas_jax.plan",
            "tapas_jax.solver.views", "tapas_jax.solver.problem", "tapas_jax.solver.eliminate",
            "tapas_jax.solver.solve", "tapas_jax.options", "tapas_jax.plan_file",
+           "tapas_jax.plan_records",
            "tapas_jax.solver.fusion", "tapas_jax.solver.remat", "tapas_jax.solver.experts",
            "tapas_jax.baselines", "tapas_jax.apply", "tapas_jax.measure", "tapas_jax.verify",
            "tapas_jax.shard", "tapas_jax.shard_flax",

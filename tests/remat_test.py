@@ -140,7 +140,7 @@ def test_remat_policy_gives_the_jax_policy_and_plans_keep_it(tmp_path):
   data = json.loads((tmp_path / "plan.json").read_text())
   data["remat"] = [[layer, "dots"]]
   with pytest.raises(plan_file.PlanFileError, match=r"remat\[0\]\[1\]"):
-    plan_file.from_json(data)
+    plan_file.from_json(data, tapas.Plan)
 
 
 @functools.lru_cache(maxsize=None)

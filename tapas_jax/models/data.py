@@ -52,6 +52,8 @@ import grain
 import jax
 import numpy as np
 
+from tapas_jax.errors import TapasError
+
 __all__ = ["DataError", "Dataset", "from_images", "from_tokens", "global_batch", "loader",
            "open_data", "process_rows", "read_images", "read_tokens"]
 
@@ -59,7 +61,7 @@ TOKEN_DTYPES = ("uint16", "uint32")
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when checking ids against the vocab
 
 
-class DataError(ValueError):
+class DataError(TapasError, ValueError):
   """A data file that cannot be trained on; the message names the file and the fix."""
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tapas_jax.errors import TapasError
 from tapas_jax.options import format_bytes
 from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
                                      memory_used)
@@ -51,7 +52,7 @@ class BudgetResult:
   status: str = "optimal"
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(TapasError, ValueError):
   """No plan fits the memory budget.
 
   Attributes:

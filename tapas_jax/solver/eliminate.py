@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from tapas_jax.errors import TapasError
 from tapas_jax.solver.problem import Problem
 
 __all__ = ["MAX_TABLE", "Schedule", "TooEntangled", "eliminate", "eliminate_merged", "merge",
@@ -33,7 +34,7 @@ __all__ = ["MAX_TABLE", "Schedule", "TooEntangled", "eliminate", "eliminate_merg
 MAX_TABLE = 1 << 22
 
 
-class TooEntangled(RuntimeError):
+class TooEntangled(TapasError, RuntimeError):
   """Variable elimination would build too large a table: solve over smaller domains."""
 
 

@@ -31,6 +31,7 @@ from typing import Mapping
 import numpy as np
 
 from tapas_jax import cost as costlib
+from tapas_jax.options import SOLVERS
 from tapas_jax.solver import experts
 from tapas_jax.solver.budget import (BudgetResult, best_of, budget_error, fit_budget, repair,
                                      within_budget)
@@ -45,7 +46,6 @@ from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_ta
 
 __all__ = ["SOLVERS", "Solution", "evaluate", "solve", "warn_unsplittable"]
 
-SOLVERS = ("elimination", "ilp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""The record a sharding rule returns (`OpRule`: an op as an einsum over dimension
+factors) and the registry of rules by primitive name (`RULES`, `register`).
+
+The rules themselves, one per primitive, and their lookup (`rule_for`, strict mode)
+are in `tapas_jax.rules`, which fills `RULES` and re-exports these names.
+
+Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
+indexes an operand but no result is in `reduce`; a `reduce` factor indexes no
+result; a factor indexes at most one dim of a tensor; size-1 dims are None.
+
+Example:
+  >>> from tapas_jax.op_rule import OpRule
+  >>> OpRule((8, 4, 16), inputs=((0, 1), (1, 2)), outputs=((0, 2),), reduce=(1,)).einsum()
+  'ab,bc->ac'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["COMBINES", "RULES", "Dims", "Factors", "OpRule", "RuleFn", "Shape", "default_rule",
+           "elements", "norm_axis", "register", "unsplit"]
+
+Shape = tuple[int, ...]
+Dims = tuple[int | None, ...]
+RuleFn = Callable[[Mapping[str, Any], Sequence[Shape], Sequence[Shape]], "OpRule"]
+
+# How the partial results of a `reduce` factor combine.
+COMBINES = ("sum", "max", "min", "prod", "and", "or", "xor")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+  """Einsum-like sharding rule of one op.
+
+  Attributes:
+    factor_sizes: size of each factor (dimension variable). A split over mesh axes
+      must divide it evenly.
+    inputs: per op input, per dim: factor index, or None = that dim must stay
+      unsplit. Scalars (and literals) have no dims.
+    outputs: per op output, per dim: factor index or None.
+    reduce: factors summed or reduced away (dot_general contracting dims,
+      reduce_sum axes, the vocab dim of an embedding gather, the batch dims of an
+      embedding-gradient scatter-add): splitting one leaves every output partial
+      over its mesh axes.
+    flops: total FLOPs of the op, unsharded (dot_general 2*prod(all factors), conv
+      2*out_elems*kernel_spatial*in_features_per_group, elementwise: output
+      elements, reductions and scans: input elements, data movement: 0).
+    combine: how partial outputs of `reduce` factors combine: "sum" (also for
+      gather/scatter-add, which are masked lookups summed), "max", "min", "prod",
+      "and", "or", "xor". All cost the same all-reduce; the name is for reports
+      and for anyone materialising partials by hand.
+
+  Example:
+    >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),
+    ...            outputs=((0, 2),), reduce=(1,), flops=2 * 8 * 4 * 16)
+    >>> r.einsum()
+    'ab,bc->ac'
+  """
+
+  factor_sizes: tuple[int, ...]
+  inputs: tuple[Dims, ...]
+  outputs: tuple[Dims, ...]
+  reduce: tuple[int, ...] = ()
+  flops: int = 0
+  combine: str = "sum"
+
+  def __post_init__(self):
+    n = len(self.factor_sizes)
+    in_factors, out_factors = set(), set()
+    for group, seen in ((self.inputs, in_factors), (self.outputs, out_factors)):
+      for dims in group:
+        used = [f for f in dims if f is not None]
+        if len(used) != len(set(used)) or any(not 0 <= f < n for f in used):
+          raise ValueError(f"OpRule: bad factors {dims} for {n} factors: each factor "
+                           "indexes at most one dim of a tensor")
+        seen.update(used)
+    red = set(self.reduce)
+    if red & out_factors:
+      raise ValueError(f"OpRule: reduce factors {sorted(red & out_factors)} index an "
+                       "output")
+    if in_factors - out_factors - red:
+      raise ValueError(f"OpRule: factors {sorted(in_factors - out_factors - red)} index "
+                       "inputs only; add them to reduce or use None")
+    if self.combine not in COMBINES:
+      raise ValueError(f"OpRule: combine {self.combine!r} is not one of {COMBINES}")
+
+  @property
+  def num_factors(self) -> int:
+    return len(self.factor_sizes)
+
+  def einsum(self) -> str:
+    """The rule as einsum text: one letter per factor, `_` for an unsplittable dim.
+
+    Letters follow factor order; reduce factors are the ones missing on the right.
+
+    Example:
+      >>> OpRule((4, 3), inputs=((0, None), (1,)), outputs=((0, 1),)).einsum()
+      'a_,b->ab'
+    """
+    letters = string.ascii_letters
+    if self.num_factors > len(letters):
+      return f"<{self.num_factors} factors>"
+
+    def text(dims: Dims) -> str:
+      return "".join("_" if f is None else letters[f] for f in dims)
+
+    return (",".join(text(d) for d in self.inputs) + "->" +
+            ",".join(text(d) for d in self.outputs))
+
+  def flops_per_device(self, assignment: Mapping[int, Sequence[str]],
+                       axis_sizes: Mapping[str, int]) -> float:
+    """FLOPs one device runs: every factor splits the iteration space.
+
+    Example:
+      >>> r = OpRule((8, 4, 16), ((0, 1), (1, 2)), ((0, 2),), reduce=(1,), flops=1024)
+      >>> r.flops_per_device({0: ("data",), 1: ("model",)}, {"data": 2, "model": 4})
+      128.0
+    """
+    shards = math.prod(axis_sizes[a] for axes in assignment.values() for a in axes)
+    return self.flops / shards
+
+
+# -- building rules ---------------------------------------------------------------
+
+
+class Factors:
+  """Hands out factor indices; dims of size <= 1 get None (nothing to split)."""
+
+  def __init__(self):
+    self.sizes: list[int] = []
+
+  def new(self, size: int) -> int | None:
+    if size <= 1:
+      return None
+    self.sizes.append(int(size))
+    return len(self.sizes) - 1
+
+  def rule(self, inputs: Iterable[Iterable[int | None]],
+           outputs: Iterable[Iterable[int | None]], reduce: Iterable[int | None] = (),
+           flops: int = 0, combine: str = "sum") -> OpRule:
+    return OpRule(factor_sizes=tuple(self.sizes),
+                  inputs=tuple(tuple(d) for d in inputs),
+                  outputs=tuple(tuple(d) for d in outputs),
+                  reduce=tuple(f for f in reduce if f is not None),
+                  flops=int(flops), combine=combine)
+
+
+def elements(shape: Shape) -> int:
+  """Elements of a tensor of this shape."""
+  return math.prod(shape)
+
+
+def unsplit(shapes: Sequence[Shape]) -> tuple[Dims, ...]:
+  """Every dim of every tensor unsplit (None)."""
+  return tuple((None,) * len(s) for s in shapes)
+
+
+def norm_axis(axis: int, rank: int) -> int:
+  """A negative axis counted from the front."""
+  return axis + rank if axis < 0 else axis
+
+
+def default_rule(in_shapes: Sequence[Shape], out_shapes: Sequence[Shape]) -> OpRule:
+  """Every dim unsplit: operands replicated, results replicated.
+
+  Example:
+    >>> default_rule([(4, 8)], [(8,)]).einsum()
+    '__->_'
+  """
+  return OpRule((), unsplit(in_shapes), unsplit(out_shapes))
+
+
+RULES: dict[str, RuleFn] = {}
+
+
+def register(*primitives: str) -> Callable[[RuleFn], RuleFn]:
+  """Decorator: registers a rule function for the named primitives.
+
+  Example:
+    >>> @register("my_replicated")
+    ... def _replicated(params, ins, outs):
+    ...   return default_rule(ins, outs)
+    >>> RULES["my_replicated"]({}, [(4,)], [(4,)]).einsum()
+    '_->_'
+    >>> del RULES["my_replicated"]
+  """
+
+  def deco(fn: RuleFn) -> RuleFn:
+    for name in primitives:
+      RULES[name] = fn
+    return fn
+
+  return deco

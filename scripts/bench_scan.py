@@ -1,14 +1,16 @@
 """Scanned layer stacks next to unrolled ones: remat, predictions, search time.
 
-Three measurements on the zoo's LLaMA at tiny width, mesh data=2 x model=4, on 8 fake
+Four measurements on the zoo's LLaMA at tiny width, mesh data=2 x model=4, on 8 fake
 CPU devices (BENCHMARKS.md, "Scanned layer stacks"):
 
   python scripts/bench_scan.py remat          # budget = half the free plan's memory
   python scripts/bench_scan.py depth 2 4 8    # scanned vs unrolled, cost model and XLA:CPU
+  python scripts/bench_scan.py comm           # bytes sent: predicted vs XLA:CPU, chunked
+                                              # attention (a loop in the layer loop)
   python scripts/bench_scan.py time 32        # one end-to-end search (run one per process:
                                               # a second finds JAX's tracing caches warm)
 
-`remat` and `depth` compile the applied steps with XLA:CPU; `time` compiles nothing.
+`remat`, `depth` and `comm` compile the applied steps with XLA:CPU; `time` compiles nothing.
 Run from the checkout with `PYTHONPATH=.`.
 """
 
@@ -27,7 +29,7 @@ import dataclasses  # noqa: E402
 import jax  # noqa: E402
 
 import tapas_jax as tapas  # noqa: E402
-from tapas_jax import cost, measure, models  # noqa: E402
+from tapas_jax import baselines, cost, measure, models  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
 
@@ -82,6 +84,25 @@ def depth(layers):
             f"{pm / got:.3f}", flush=True)
 
 
+def comm():
+  """Bytes sent per device, predicted and as XLA:CPU compiled them (`measure`: a loop
+  body's collectives times its trip count), unrolled and scanned, with a chunked
+  attention's `lax.map` inside each layer (inside the layer loop when scanned)."""
+  print("| program | plan | predicted KiB | XLA:CPU KiB | predicted / XLA:CPU |")
+  print("|---|---|---|---|---|")
+  for scan in (False, True):
+    m = models.get_model("llama", "tiny", num_layers=4, scan_layers=scan,
+                         attention="chunked", attention_chunk=16)
+    args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+    for name in ("fsdp", "megatron"):
+      plan = baselines.baseline(name, *args, mesh=MESH, device="h100", family="llama")
+      step = tapas.apply(plan, args[0], mesh=tapas.make_mesh(MESH), donate_argnums=0)
+      sent = measure.measure(step.lower(*args[1:]).compile(), 8).comm_bytes["total"]
+      predicted = plan.stats.predicted_comm_bytes
+      print(f"| {'scanned' if scan else 'unrolled'} | {name} | {predicted / 2**10:.1f} | "
+            f"{sent / 2**10:.1f} | {predicted / sent:.2f} |", flush=True)
+
+
 def timed(n):
   """One end-to-end search of the scanned stack (cold: the first in this process)."""
   m = models.get_model("llama", "tiny", num_layers=n, scan_layers=True)
@@ -99,6 +120,8 @@ def main(argv):
     remat()
   elif argv[:1] == ["depth"]:
     depth([int(a) for a in argv[1:]] or [2, 4, 8])
+  elif argv[:1] == ["comm"]:
+    comm()
   elif argv[:1] == ["time"] and len(argv) == 2:
     timed(int(argv[1]))
   else:

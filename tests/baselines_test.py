@@ -78,3 +78,18 @@ def test_baselines_on_scanned_stacks_compute_the_unsharded_losses(name, kind, me
 def test_fsdp_with_remat_on_a_scanned_stack_computes_the_unsharded_losses(two_steps):
   two_steps(plan_for("llama", "fsdp", "data2_model4", remat="nothing_saveable"),
             scanned("llama"), 8)
+
+
+def test_fsdp_with_remat_on_a_scanned_stack_with_a_loop_in_its_body(two_steps):
+  # A chunked attention's lax.map inside each scanned layer: the scan remat recomputes
+  # it in the backward loop, so its body's ops are priced again.
+  m = models.get_model("llama", "tiny", scan_layers=True, num_layers=LAYERS,
+                       attention="chunked", attention_chunk=16)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    free, full = (baselines.baseline("fsdp", *args, mesh=MESHES["data2_model4"], device="cpu",
+                                     family="llama", remat=r) for r in (None, "nothing_saveable"))
+  assert full.stats.predicted_step_s > free.stats.predicted_step_s
+  assert full.stats.predicted_memory_bytes < free.stats.predicted_memory_bytes
+  two_steps(full, m, 8)

@@ -405,6 +405,19 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       stored=tuple(acts.stored or (None,) * len(acts.dims)) + (None,) * n)
 
 
+def _priced_ops(problem: Problem, ops: Sequence[int]) -> list[int]:
+  """The ops whose tables price `ops`: a loop searched in place (a chunked attention's
+  `lax.map` that a scan body recomputes) by its body's ops, each weighted by the view."""
+  g, out = problem.graph, []
+  for i in ops:
+    region = scan_region(g, g.ops[i]) if i in problem.view.loops else None
+    if region is None:
+      out.append(i)
+    else:
+      out += _priced_ops(problem, [o.index for o in g.ops if o.region == region.index])
+  return out
+
+
 def recompute_tables(problem: Problem, builder: TableBuilder,
                      remats: Sequence[InstanceRemat]) -> list[Table]:
   """Cost tables of the recomputed ops the search looks at (the folded view's copies,
@@ -412,7 +425,7 @@ def recompute_tables(problem: Problem, builder: TableBuilder,
   in_view = set(problem.view.ops)
   out = []
   for r in remats:
-    for i in r.recompute:
+    for i in _priced_ops(problem, r.recompute):
       if i not in in_view:
         continue
       w = problem.view.weight.get(i, 1)

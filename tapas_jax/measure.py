@@ -11,8 +11,9 @@ count once, at their `-start`, with the bytes of the `-done`'s result (a `-start
 tuple type lists the operand too). Collectives inside fusions and async computations
 count once each where they stand; inside a loop's body (a scanned layer stack, a
 chunked attention's `lax.map`) they count once per iteration, by the trip count the
-compiler annotates (`known_trip_count`; a loop without one counts once), since the
-cost model prices a loop body times its trip count too.
+compiler annotates (`known_trip_count`) or, in TPU HLO, which has no annotation, the
+loop condition's `i < N` (a loop with neither counts once), since the cost model
+prices a loop body times its trip count too.
 
 An all-reduce whose every reader keeps only a 1/n slice of it (a `dynamic-slice`, on
 its own or inside a fusion) is counted as the reduce-scatter it stands for: XLA's GPU
@@ -249,8 +250,7 @@ class _Hlo:
       for instr in self.computations.get(name, []):
         if instr.op.endswith(("-done", "-update")):  # names its -start's computation
           continue
-        trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
-        loop = int(trip.group(1)) if trip else 1
+        loop = self.trip_count(instr) if instr.op == "while" else 1
         called = [(c, loop if role in ("body", "condition") else 1)
                   for role, c in _CALLS.findall(instr.attrs)]
         for branches in _BRANCHES.findall(instr.attrs):
@@ -261,6 +261,35 @@ class _Hlo:
     if self.entry:
       visit(self.entry, 1, 0)
     return runs
+
+  def trip_count(self, loop: _Instr) -> int:
+    """Iterations of a while loop: the compiler's `known_trip_count` (XLA:CPU, GPU), else
+    its condition's `i < N` against the induction variable's initial constant (TPU HLO
+    carries no annotation); 1 where neither is readable."""
+    known = _TRIP.search(loop.attrs)
+    if known:
+      return int(known.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", loop.attrs)
+    body = {i.name: i for i in self.computations.get(cond.group(1) if cond else "", [])}
+
+    def constant(name: str, where: dict[str, _Instr]) -> int | None:
+      i = where.get(name)
+      return int(i.args) if i and i.op == "constant" and i.args.lstrip("-").isdigit() else None
+
+    for i in body.values():
+      direction = re.search(r"direction=(LT|LE)", i.attrs)
+      if i.op != "compare" or not direction or len(i.operands) != 2:
+        continue
+      limit = constant(i.operands[1], body)
+      if limit is None:
+        continue
+      start = 0
+      outer = {j.name: j for j in self.computations.get(self.where.get(loop.name, ""), [])}
+      init = outer.get(loop.operands[0]) if loop.operands else None
+      if init is not None and init.op == "tuple" and init.operands:
+        start = constant(init.operands[0], outer) or 0
+      return max(limit - start + (direction.group(1) == "LE"), 1)
+    return 1
 
   def _sliced(self, name: str, elements: int, n: int) -> bool:
     """Whether `name` is read, and every reader keeps just 1/n of its elements."""

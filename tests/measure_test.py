@@ -207,3 +207,33 @@ def test_loop_trip_counts_multiply_through_nested_loops_and_calls():
   ])
   got = measure.collective_bytes(text, num_devices=4)
   assert got["all-reduce"] == pytest.approx((3 * 5 + 1) * 2 * 3 / 4 * 8 * 4)
+
+
+def test_a_tpu_loop_s_trip_count_is_read_from_its_condition():
+  # libtpu's HLO has no known_trip_count: the condition compares the induction variable
+  # (started at the tuple's constant) with the limit.
+  text = "\n".join([
+      "%cond (c: (s32[], f32[8])) -> pred[] {",
+      "  %c = (s32[]{:T(128)}, f32[8]{0}) parameter(0)",
+      "  %n = s32[]{:T(128)} constant(6)",
+      "  %i = s32[]{:T(128)} get-tuple-element(%c), index=0",
+      "  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT",
+      "}",
+      "%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {",
+      "  %b = (s32[]{:T(128)}, f32[8]{0}) parameter(0)",
+      "  %j = s32[]{:T(128)} get-tuple-element(%b), index=0",
+      "  %v = f32[8]{0} get-tuple-element(%b), index=1",
+      "  %ags = (f32[2]{0}, f32[8]{0}) all-gather-start(%v), replica_groups=[1,4]<=[4], "
+      "dimensions={0}",
+      "  %agd = f32[8]{0} all-gather-done(%ags)",
+      "  ROOT %t = (s32[]{:T(128)}, f32[8]{0}) tuple(%j, %agd)",
+      "}",
+      "ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {",
+      "  %x = f32[8]{0} parameter(0)",
+      "  %one = s32[]{:T(128)} constant(1)",
+      "  %init = (s32[]{:T(128)}, f32[8]{0}) tuple(%one, %x)",
+      "  ROOT %w = (s32[]{:T(128)}, f32[8]{0}) while(%init), condition=%cond, body=%body",
+      "}",
+  ])
+  got = measure.collective_bytes(text, num_devices=4)
+  assert got["all-gather"] == pytest.approx(5 * 3 / 4 * 8 * 4)  # i = 1 .. 5

@@ -340,8 +340,10 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
   """Evaluates a jaxpr, pinning the operands `pins` names; inlines call-like equations
   exactly as `trace` does, so equation sites match `Op.site`. With `remat`, backward
   equations of rematerialised layers read recomputed forward values, and the loops of
-  rematerialised scanned stacks run rematerialised. `given`: site -> the outputs of the
-  equation there, used instead of running it (saved values a recomputation reads)."""
+  rematerialised scanned stacks run rematerialised; a scan whose body holds pins (a
+  stacked parameter gathered one layer per iteration) runs its body re-interpreted.
+  `given`: site -> the outputs of the equation there, used instead of running it (saved
+  values a recomputation reads)."""
   env: dict = {}
 
   def read(atom):

@@ -476,7 +476,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
       return False
     return read_sides.get((op_index, v))
 
-  apart = _scan_cuts(graph, view, top, rules, update, cv)
+  apart = _scan_cuts(graph, view, rules, update, cv)
   first = _unite(graph, view, top, rules, cv, side_of, free, lambda v, d: True, apart=apart)
   batch = _batch_classes(graph, mesh, first, cv, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}
@@ -577,8 +577,8 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
                  scan_cuts=apart)
 
 
-def _scan_cuts(graph: Graph, view: View, top: Sequence[Op], rules, update: frozenset[int],
-               cv) -> tuple[tuple[int, int, int, bool], ...]:
+def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
+               ) -> tuple[tuple[int, int, int, bool], ...]:
   """The scanned stacks' state, seen apart from the body (`Problem.scan_cuts`).
 
   A scanned layer stack (`nn.scan`, `scan_layers=True`) reads its parameters as the
@@ -589,14 +589,14 @@ def _scan_cuts(graph: Graph, view: View, top: Sequence[Op], rules, update: froze
   carried state inputs, and the stacked results that only lead into the state update
   through pointwise ops (the stack's gradient, into Adam's moments), keep the body's
   dims apart from their own: the body reads (or makes) its iteration's slice through a
-  cut, priced once per iteration (`tables.scan_cut_table`).
+  cut, priced once per iteration (`TableBuilder.scan_cut_table`).
   """
   state = {cv(graph.inputs[j].value) for _, j in graph.carried}
-  loops = set(view.loops)
   feeds: dict[int, bool] = {}
 
   def into_update(v: int, depth: int = 0) -> bool:
-    """Whether every reader of v is the update, or a pointwise op leading only there."""
+    """Whether every reader of v is the update, or a pointwise op leading only there
+    (a few deep: Adam's `(1 - b2) * g ** 2` is two before the update's add)."""
     if v not in feeds:
       users = graph.consumers.get(v, ())
       feeds[v] = bool(users) and depth < 4 and all(
@@ -606,7 +606,7 @@ def _scan_cuts(graph: Graph, view: View, top: Sequence[Op], rules, update: froze
     return feeds[v]
 
   out = []
-  for loop in sorted(loops):
+  for loop in sorted(view.loops):
     op = graph.ops[loop]
     for outer, inner, shift in scan_bindings(graph, op):
       if not shift:

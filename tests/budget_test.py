@@ -9,6 +9,7 @@ search finds a plan.
 
 import functools
 import math
+import re
 import warnings
 
 import jax
@@ -178,8 +179,12 @@ def test_the_tight_llama_plan_stores_the_stack_split_and_computes_the_unsharded_
   assert any(s[0] is None and any(s[1:]) for s in stacked), stacked
   assert [c for c in plan.constraints if "jaxpr" in c.site], (
       "no layer is gathered inside the scan's body")
-  two_steps(plan, models.get_model("llama", "tiny", scan_layers=True,
-                                   num_layers=SCAN_LAYERS), 8)
+  step, placed, _, _ = two_steps(plan, models.get_model("llama", "tiny", scan_layers=True,
+                                                       num_layers=SCAN_LAYERS), 8)
+  # XLA gathers one layer per iteration: no all-gather makes a whole stack (4 layers).
+  hlo = step.lower(*placed).compile().as_text()
+  assert re.search(r"all-gather(-start)?\(", hlo)
+  assert not re.search(rf"= f32\[{SCAN_LAYERS},\d+,\d+\]\S* all-gather", hlo)
 
 
 @pytest.mark.parametrize("budget", ["default", "tight"])

@@ -343,8 +343,10 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
   """Evaluates a jaxpr, pinning the operands `pins` names; inlines call-like equations
   exactly as `trace` does, so equation sites match `Op.site`. With `remat`, backward
   equations of rematerialised layers read recomputed forward values, and the loops of
-  rematerialised scanned stacks run rematerialised. `given`: site -> the outputs of the
-  equation there, used instead of running it (saved values a recomputation reads)."""
+  rematerialised scanned stacks run rematerialised; a scan whose body holds pins (a
+  stacked parameter gathered one layer per iteration) runs its body re-interpreted.
+  `given`: site -> the outputs of the equation there, used instead of running it (saved
+  values a recomputation reads)."""
   env: dict = {}
 
   def read(atom):
@@ -365,6 +367,8 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
       outs = given[here]
     elif loop is not None:
       outs = loop.run(here, eqn, invals)
+    elif _pins_inside(eqn, here, pins):
+      outs = _scan(eqn, invals, here, pins)
     elif len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
       key, idx, sub = subs[0]
       body, body_consts = jx.open_jaxpr(sub)
@@ -374,6 +378,33 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
       outs = jx.bind_eqn(eqn, invals)
     env.update(zip(eqn.outvars, outs))
   return [read(a) for a in jaxpr.outvars]
+
+
+def _pins_inside(eqn, site: tuple, pins: Mapping) -> bool:
+  """Whether a scan's body holds pinned operands (a stacked parameter gathered there,
+  one layer per iteration, rather than the whole stack before the loop)."""
+  if "jaxpr" not in eqn.params or "length" not in eqn.params or \
+      jx.scan_counts(eqn.params) is None:
+    return False
+  body = site + ("jaxpr", 0)
+  return any(k[:len(body)] == body for k in pins)
+
+
+def _scan(eqn, invals: list[Any], site: tuple, pins: Mapping) -> list[Any]:
+  """A scan run with `jax.lax.scan` on its own body, re-interpreted with the pins."""
+  counts = jx.scan_counts(eqn.params)
+  nc, ncarry = counts.num_consts, counts.num_carry
+  body, body_consts = jx.open_jaxpr(eqn.params["jaxpr"])
+  consts = invals[:nc]
+
+  def step(carry, x):
+    outs = _interpret(body, body_consts, list(consts) + list(carry) + list(x),
+                      site + ("jaxpr", 0), pins, {})
+    return list(outs[:ncarry]), list(outs[ncarry:])
+
+  carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]), list(invals[nc + ncarry:]),
+                           length=eqn.params["length"], reverse=eqn.params["reverse"])
+  return list(carry) + list(ys)
 
 
 def _pinned(value, sharding: NamedSharding, memo: dict):
@@ -403,7 +434,7 @@ class _Recompute:
     self.graph, self.remats, self.pins = graph, remats, pins
     self.loops: dict[tuple, _ScanRecompute] = {}
     for r, region in scans:
-      s = _ScanRecompute(graph, r, region)
+      s = _ScanRecompute(graph, r, region, pins)
       self.loops[graph.ops[r.forward].site] = self.loops[graph.ops[r.backward].site] = s
     self.capture = {graph.ops[i].site: i for r in remats for i in r.recompute}
     self.readers: dict[tuple, tuple[int, list[tuple[int, int]]]] = {}
@@ -504,8 +535,8 @@ class _ScanRecompute:
   are the program's own.
   """
 
-  def __init__(self, graph, r, region):
-    self.graph, self.r, self.region = graph, r, region
+  def __init__(self, graph, r, region, pins: Mapping):
+    self.graph, self.r, self.region, self.pins = graph, r, region, pins
     self.f_eqn = None
     self.forward_site = graph.ops[r.forward].site
     self.backward_site = graph.ops[r.backward].site
@@ -535,7 +566,8 @@ class _ScanRecompute:
     consts, carries = self.consts, self.r.carries
 
     def step(carry, x):
-      outs = _interpret(body, body_consts, list(consts) + list(carry) + list(x), (), {}, {})
+      outs = _interpret(body, body_consts, list(consts) + list(carry) + list(x),
+                        self.forward_site + ("jaxpr", 0), self.pins, {})
       return list(outs[:ncarry]), [outs[s] for s in keep] + [carry[c] for c in carries]
 
     carry, ys = jax.lax.scan(step, list(self.init), list(self.xs),
@@ -583,11 +615,12 @@ class _ScanRecompute:
         if p is not None and g.ops[p].region == fr.index and len(g.ops[p].outputs) == 1:
           given[g.ops[p].site] = [kx[n]]
       fouts = _interpret(fbody, fbody_consts, list(fconsts) + fin_carry + list(fx),
-                         self.forward_site + ("jaxpr", 0), {}, {}, given=given)
+                         self.forward_site + ("jaxpr", 0), self.pins, {}, given=given)
       xs_in = list(bx)
       for j, s in dropped:
         xs_in[j - nc - ncarry] = fouts[s]
-      outs = _interpret(body, body_consts, list(consts) + list(carry) + xs_in, (), {}, {})
+      outs = _interpret(body, body_consts, list(consts) + list(carry) + xs_in,
+                        self.backward_site + ("jaxpr", 0), self.pins, {})
       return list(outs[:ncarry]), list(outs[ncarry:])
 
     bx = [None if j + nc + ncarry in {d for d, _ in dropped} else x

@@ -66,8 +66,15 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
       # MEGATRON_SPLITS names.
       dim += (problem.cv(i.value), 0) in stacked
       if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
-        for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim)}:
+        # A scanned stack's body reads each layer through a cut: split there too.
+        for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim),
+                  *solver.experts.body_classes(problem, i.value, dim)}:
           choice[c] = _widest(problem, c, model_axes)  # stored as it is used
+  for _, outer, inner, read in problem.scan_cuts:  # a stack's gradient kept as made
+    for d in range(len(problem.graph.types[inner].shape)) if not read else ():
+      axes, c = choice.get(problem.value_class[(inner, d)]), problem.vclass(outer, d + 1)
+      if axes and axes in problem.domains[c]:
+        choice[c] = axes
   return {c: a for c, a in choice.items() if a}
 
 

@@ -463,6 +463,28 @@ def _constraints(problem: Problem, solution: Solution,
         # layout: pinning it whole first would force an all-reduce.)
         out.append(Constraint(site=op.site, slot=k, spec=have))
       out.append(Constraint(site=op.site, slot=k, spec=want))
+  return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]
+                          ) -> tuple:
+  """A stacked parameter stored in another layout than the scan's body reads it in
+  (`Problem.scan_cuts`): every body equation reading the iteration's slice reads it
+  pinned in the body's layout, so XLA gathers one layer per iteration inside the loop
+  (as priced) rather than the whole stack before it."""
+  g, out = problem.graph, []
+  for _, outer, inner, read in problem.scan_cuts:
+    rank = len(g.types[inner].shape)
+    if not read or not rank:
+      continue
+    stored = (PartitionSpec(*costlib.Layout(fixed[outer].dims[1:]).to_partition_spec())
+              if outer in fixed else spec([problem.vclass(outer, d + 1) for d in range(rank)]))
+    want = spec([problem.value_class[(inner, d)] for d in range(rank)])
+    if want == stored:
+      continue
+    for c in g.consumers.get(inner, ()):
+      out += [Constraint(site=g.ops[c].site, slot=k, spec=want)
+              for k, x in enumerate(g.ops[c].inputs) if x == inner]
   return tuple(out)
 
 

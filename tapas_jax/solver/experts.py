@@ -29,7 +29,7 @@ from tapas_jax import cost as costlib
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_bindings
 
-__all__ = ["batch_choice", "fsdp", "incumbents", "stacked_dims", "widest"]
+__all__ = ["batch_choice", "body_classes", "fsdp", "incumbents", "stacked_dims", "widest"]
 
 
 def widest(problem: Problem, c: int, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -72,6 +72,14 @@ def stacked_dims(problem: Problem) -> frozenset[tuple[int, int]]:
         out.update(keys)
         grown = True
   return frozenset(out)
+
+
+def body_classes(problem: Problem, v: int, d: int) -> tuple[int, ...]:
+  """The classes scan bodies read dim d (> 0) of stacked input v in, where they read it
+  through a cut (`Problem.scan_cuts`); empty for any other input or dim."""
+  v = problem.cv(v)
+  return tuple(problem.value_class[(inner, d - 1)]
+               for _, outer, inner, read in problem.scan_cuts if read and outer == v and d)
 
 
 def _compute_classes(problem: Problem) -> frozenset[int]:

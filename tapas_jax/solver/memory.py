@@ -508,6 +508,16 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
       last = len(body) if v in outputs else max(
           [pos[c] for c in g.consumers.get(v, ()) if c in pos], default=j)
       span.append((j, last))
+  # A stacked parameter read through a scan cut is gathered into the body's layout
+  # once per iteration: that copy (one layer's, not the stack's) lives from the body's
+  # start to its last reader. Counted in the body's layout whether or not the plan
+  # gathers: ungathered, it is the slice XLA cuts out of the stack.
+  for loop, _, inner, read in problem.scan_cuts:
+    if read and loop == rep.index and g.types[inner].shape:
+      out.append((inner, tuple(problem.value_class[(inner, d)]
+                               for d in range(len(g.types[inner].shape)))))
+      span.append((0, max([pos[c] for c in g.consumers.get(inner, ()) if c in pos],
+                          default=0)))
   if not out:
     return out
   live_bytes = np.zeros(len(body) + 2)

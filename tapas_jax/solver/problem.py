@@ -109,6 +109,11 @@ class Problem:
       takes classes of its own and costs nothing.
     read_sides: (op index, value) -> "dot" / "elem", the reads through an activation
       cut (see `read_side`).
+    scan_cuts: (loop op, outer value, body value, read) of the stacked state a scan
+      reads (read True: a stacked parameter or optimizer state, each iteration's slice
+      gathered into the body's layout) or writes (False: the stacked gradient, each
+      iteration's slice delivered into the stack's layout), seen apart: the stack's
+      dims behind the layer dim take classes of their own (see `_scan_cuts`).
   """
 
   graph: Graph
@@ -128,6 +133,7 @@ class Problem:
   update_ops: frozenset[int] = frozenset()
   free_values: frozenset[int] = frozenset()
   read_sides: Mapping[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+  scan_cuts: tuple[tuple[int, int, int, bool], ...] = ()
 
   def cv(self, v: int) -> int:
     """The value standing for v in the view."""
@@ -155,7 +161,8 @@ class Problem:
     """Whether input v's storage classes are its own, not its compute's: the update
     reads it and the compute, if it reads it at all, reads it through a cut."""
     v = self.cv(v)
-    if (v, False) in self.reader_dims:
+    if (v, False) in self.reader_dims or any(read and outer == v
+                                             for _, outer, _, read in self.scan_cuts):
       return True
     users = self.graph.consumers.get(v, ())
     return bool(users) and all(u in self.update_ops for u in users)
@@ -469,7 +476,8 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
       return False
     return read_sides.get((op_index, v))
 
-  first = _unite(graph, view, top, rules, cv, side_of, free, lambda v, d: True)
+  apart = _scan_cuts(graph, view, rules, update, cv)
+  first = _unite(graph, view, top, rules, cv, side_of, free, lambda v, d: True, apart=apart)
   batch = _batch_classes(graph, mesh, first, cv, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}
   # Activations between a contraction with a weight and other ops: read by the other
@@ -499,7 +507,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   u = (_unite(graph, view, top, rules, cv, side_of, free,
               lambda v, d: d not in cut_dims[v] or (v, d) in batch_dims,
               {(v, d): first.value_class[(v, d)] for v, dims in cut_dims.items()
-               for d in dims})
+               for d in dims}, apart=apart)
        if read_sides else first)
   value_class, side_class, index = u.value_class, u.side_class, u.index
   sizes: dict[int, set[int]] = {}
@@ -565,7 +573,49 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
                  view=view, factor_class=u.factor_class, reader_dims=reader_dims,
                  update_ops=update, free_values=free,
                  read_sides={k: s for k, s in read_sides.items()
-                             if (k[1], s) in reader_dims})
+                             if (k[1], s) in reader_dims},
+                 scan_cuts=apart)
+
+
+def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
+               ) -> tuple[tuple[int, int, int, bool], ...]:
+  """The scanned stacks' state, seen apart from the body (`Problem.scan_cuts`).
+
+  A scanned layer stack (`nn.scan`, `scan_layers=True`) reads its parameters as the
+  scan's stacked operands, layer dim in front. Joined with the body's dims, a stored
+  layout would be the compute's: FSDP's (the stack split behind the layer dim over the
+  batch axes, each layer gathered where the body reads it, as MaxText and levanter
+  store a scanned stack) would be outside the space. So the stacked operands that are
+  carried state inputs, and the stacked results that only lead into the state update
+  through pointwise ops (the stack's gradient, into Adam's moments), keep the body's
+  dims apart from their own: the body reads (or makes) its iteration's slice through a
+  cut, priced once per iteration (`TableBuilder.scan_cut_table`).
+  """
+  state = {cv(graph.inputs[j].value) for _, j in graph.carried}
+  feeds: dict[int, bool] = {}
+
+  def into_update(v: int, depth: int = 0) -> bool:
+    """Whether every reader of v is the update, or a pointwise op leading only there
+    (a few deep: Adam's `(1 - b2) * g ** 2` is two before the update's add)."""
+    if v not in feeds:
+      users = graph.consumers.get(v, ())
+      feeds[v] = bool(users) and depth < 4 and all(
+          c in update or (c in rules and _pointwise(graph, graph.ops[c], rules[c])
+                          and all(into_update(w, depth + 1) for w in graph.ops[c].outputs))
+          for c in users)
+    return feeds[v]
+
+  out = []
+  for loop in sorted(view.loops):
+    op = graph.ops[loop]
+    for outer, inner, shift in scan_bindings(graph, op):
+      if not shift:
+        continue
+      if outer in op.inputs and cv(outer) in state:
+        out.append((loop, cv(outer), inner, True))
+      elif outer in op.outputs and into_update(outer):
+        out.append((loop, cv(outer), inner, False))
+  return tuple(out)
 
 
 @dataclasses.dataclass
@@ -582,12 +632,14 @@ class _United:
 
 
 def _unite(graph: Graph, view: View, top: Sequence[Op], rules, cv, side_of, free,
-           joined, contraction_sides: Mapping[tuple[int, int], int] | None = None
-           ) -> _United:
+           joined, contraction_sides: Mapping[tuple[int, int], int] | None = None,
+           apart: Sequence[tuple[int, int, int, bool]] = ()) -> _United:
   """Joins factors through values. A read whose `side_of` is not None reads the value
   through a cut: dims of its own (except dims `joined(v, d)` keeps one); a read of a
   free value gets dims of its own per read. `contraction_sides`: cut value dim -> a
-  key; the contraction sides of cut dims with one key are joined."""
+  key; the contraction sides of cut dims with one key are joined. `apart`: scan
+  bindings (`_scan_cuts`) whose stacked dims stay apart from the body's."""
+  cut = {(loop, outer, inner) for loop, outer, inner, _ in apart}
   uf = _UnionFind()
   node: dict[tuple[int, int], int] = {}
   side: dict[tuple[int, int, object], int] = {}
@@ -612,8 +664,12 @@ def _unite(graph: Graph, view: View, top: Sequence[Op], rules, cv, side_of, free
   pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
   for loop in view.loops:
     for outer, inner, shift in scan_bindings(graph, graph.ops[loop]):
-      for d in range(len(graph.types[inner].shape)):
-        uf.union(vnode(cv(outer), d + shift), vnode(inner, d))
+      if (loop, cv(outer), inner) not in cut:
+        for d in range(len(graph.types[inner].shape)):
+          uf.union(vnode(cv(outer), d + shift), vnode(inner, d))
+      else:  # the body's own classes; `inner` is made or read in them
+        for d in range(len(graph.types[inner].shape)):
+          vnode(inner, d)
       if shift:
         pinned.add(vnode(cv(outer), 0))
 

@@ -260,6 +260,25 @@ class TableBuilder:
     return self._table(("cut",), [], 0.0, None,
                        [(self.p.graph.types[v], src_dims, partial, dst)])
 
+  def scan_cut_table(self, outer: int, inner: int, read: bool) -> Table | None:
+    """One iteration of a scan through a stacked-state cut (`Problem.scan_cuts`): the
+    iteration's slice of the stored stack gathered into the body's layout (FSDP's
+    per-layer all-gather), or the body's slice of the stack's gradient delivered into
+    the stack's layout, its partial sums reduced on the way (a reduce-scatter) unless
+    the body reduces them where they are made."""
+    p, g = self.p, self.p.graph
+    rank = len(g.types[inner].shape)
+    fixed = self.fixed.get(outer)
+    stack = (costlib.Layout(fixed.dims[1:]) if fixed is not None
+             else tuple(p.vclass(outer, d + 1) for d in range(rank)))
+    if read:
+      edge = (g.types[inner], stack, None, tuple(p.value_class[(inner, d)]
+                                                  for d in range(rank)))
+    else:
+      made, partial = self._src(inner)
+      edge = (g.types[inner], made, None if self.users.get(inner) else partial, stack)
+    return self._table(("scan cut",), [], 0.0, None, [edge])
+
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: list[int] = []
 
@@ -485,6 +504,10 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
       readers = [i for i in builder.users.get(v, ()) if problem.read_side(i, v) == side]
       w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
     weighted.append((builder.cut_table(v, side), w))
+  for loop, outer, inner, read in problem.scan_cuts:  # once per iteration
+    trips = scan_region(problem.graph, problem.graph.ops[loop]).trip_count
+    weighted.append((builder.scan_cut_table(outer, inner, read),
+                     trips * problem.view.weight.get(loop, 1)))
   return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
           for t, w in weighted if t is not None]
 

@@ -403,10 +403,27 @@ def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
     edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
     for start, end in zip(edges[0::2], edges[1::2]):
       copies = (end - start) // p + 1
-      if copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes):
+      if copies >= 3 or (copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes)):
         # Ops saved by folding: a long run of a short unit beats two copies of a long one.
         found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
-  return _best_disjoint(found)
+  return _best_disjoint(found + _trimmed(found))
+
+
+def _trimmed(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+  """Copies of spans with less than a period cut off an end where another span ends or
+  starts: two runs of different blocks share the op between them (the residual add has
+  one signature in both) and would otherwise exclude each other."""
+  stops = np.array(sorted({f[3] for f in found}), np.int64)
+  starts = np.array(sorted({f[2] for f in found}), np.int64)
+  out = []
+  for _, _, start, stop, p in found:
+    lo = min(start + p, stop - 2 * p)  # keep two whole copies
+    for s in stops[np.searchsorted(stops, start, "right"):np.searchsorted(stops, lo, "right")]:
+      out.append((((stop - s) // p - 1) * p, -p, int(s), stop, p))
+    hi = max(stop - p, start + 2 * p)
+    for t in starts[np.searchsorted(starts, hi, "left"):np.searchsorted(starts, stop, "left")]:
+      out.append((((t - start) // p - 1) * p, -p, start, int(t), p))
+  return out
 
 
 def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
@@ -512,6 +529,49 @@ def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, di
   return score, target
 
 
+def _split_straddling(graph: Graph, ops: list[int], touches: list[set[int]],
+                      target: int) -> dict[int, list[int]]:
+  """Instance -> ops of a unit matched to `target`, split where the unit straddles.
+
+  An elementwise pass over every leaf (Adam's bias corrections: the mu then the nu
+  leaves of all layers, one op each) repeats with the period of the whole pass when it
+  runs twice, so one unit holds every layer's leaves. A unit that contracts nothing and
+  shares values with several instances is such a pass: each op goes to the instance
+  whose values it reads or writes, ops between them (the scalar correction factor both
+  read) to the one instance their neighbours in the unit agree on, the rest to glue.
+  """
+  if _contracts(graph, ops):
+    return {target: list(ops)}
+  owner: dict[int, int] = {}
+  for i in ops:
+    t = _touch(graph, [i])
+    hits = {k for k, inst in enumerate(touches) if t & inst}
+    if len(hits) == 1:
+      owner[i] = hits.pop()
+  if len(set(owner.values())) <= 1:
+    return {target: list(ops)}
+  members = set(ops)
+  for _ in range(len(ops)):
+    changed = False
+    for i in ops:
+      if i in owner:
+        continue
+      op = graph.ops[i]
+      near = [graph.producer.get(v) for v in op.inputs] + [
+          c for v in op.outputs for c in graph.consumers.get(v, ())]
+      seen = {owner.get(j, -1) for j in near if j in members}
+      if len(seen) == 1 and -1 not in seen:
+        owner[i] = seen.pop()
+        changed = True
+    if not changed:
+      break
+  out: dict[int, list[int]] = collections.defaultdict(list)
+  for i in ops:
+    if i in owner:
+      out[owner[i]].append(i)
+  return out
+
+
 def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow."""
   codes_map: dict[str, int] = {}
@@ -539,8 +599,10 @@ def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]
     _, units, unit_touch, target = best
     for u, ops in enumerate(units):
       if u in target:
-        instances[target[u]].extend(ops)
-        touches[target[u]] |= unit_touch[u]
+        parts = _split_straddling(graph, ops, touches, target[u])
+        for k, part in parts.items():
+          instances[k].extend(part)
+          touches[k] |= _touch(graph, part)
       elif _contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")

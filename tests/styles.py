@@ -599,10 +599,17 @@ def _head(w, x):
   return p @ v
 
 
+def _layer_norm(x, scale, bias):
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias
+
+
 def _stacked_block(p, x):
-  heads = jax.vmap(_head, in_axes=(0, None), out_axes=2)(p["heads"], x)  # (b, s, h, k)
+  """A GPT-2-style pre-LN block whose heads are a `vmap` over per-head weights."""
+  h = _layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
+  heads = jax.vmap(_head, in_axes=(0, None), out_axes=2)(p["heads"], h)  # (b, s, h, k)
   x = x + heads.reshape(x.shape) @ p["out"]
-  h = jax.nn.relu(x @ p["fc1"])
+  h = jax.nn.relu(_layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"]) @ p["fc1"])
   return x + h @ p["fc2"]
 
 
@@ -613,7 +620,9 @@ def stacked_vmap(num_layers: int) -> Program:
             "blocks": {"heads": jax.random.normal(k[1], n + (HEADS, D, 3, D // HEADS)) * 0.1,
                        "out": jax.random.normal(k[2], n + (D, D)) * 0.1,
                        "fc1": jax.random.normal(k[3], n + (D, FF)) * 0.1,
-                       "fc2": jax.random.normal(k[4], n + (FF, D)) * 0.1}}
+                       "fc2": jax.random.normal(k[4], n + (FF, D)) * 0.1,
+                       **{ln: {"scale": jnp.ones(n + (D,)), "bias": jnp.zeros(n + (D,))}
+                          for ln in ("ln1", "ln2")}}}
 
   def loss_fn(p, b):
     x = p["embed"][b["inputs"]]

@@ -723,9 +723,10 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
   for k in edges:
     groups[subgraph_fingerprint([graph.ops[i] for i in members[k]], signature=blind)].append(k)
 
+  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
+
   def own(k, i):
-    made = {v for j in members[k] for v in graph.ops[j].outputs}
-    return any(v in made for v in graph.ops[i].inputs)
+    return any(v in made[k] for v in graph.ops[i].inputs)
 
   for keys in groups.values():
     if len(keys) < 2:

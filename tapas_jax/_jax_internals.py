@@ -78,6 +78,15 @@ def name_stack(eqn: Any) -> str:
 GENERATED_SCOPES = frozenset({"rematted_computation"})
 
 
+def is_recompute_barrier(eqn: Any) -> bool:
+  """Whether an equation is a differentiated `jax.checkpoint` (primitive "remat2" on
+  jax 0.10, "checkpoint" on others) whose recomputation must not be merged with the
+  forward it repeats: JAX lowers it behind an optimization barrier on its operands."""
+  params = eqn.params
+  return bool(params.get("differentiated")) and bool(params.get("prevent_cse")) and (
+      "policy" in params)
+
+
 def open_jaxpr(jaxpr: Any) -> tuple[Any, tuple[Any, ...]]:
   """(open jaxpr, consts) for either a `ClosedJaxpr` or an open `Jaxpr`."""
   if isinstance(jaxpr, ClosedJaxpr):

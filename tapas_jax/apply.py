@@ -372,6 +372,11 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
     elif len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
       key, idx, sub = subs[0]
       body, body_consts = jx.open_jaxpr(sub)
+      if jx.is_recompute_barrier(eqn):
+        # The user's own remat (`jax.checkpoint`, `nn.remat`) in the backward: inlined
+        # without the barrier JAX lowers it behind, XLA would merge the recomputation
+        # with the forward it repeats and the user's memory saving would be lost.
+        invals = _barrier(invals)
       outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat,
                         given)
     else:
@@ -405,6 +410,16 @@ def _scan(eqn, invals: list[Any], site: tuple, pins: Mapping) -> list[Any]:
   carry, ys = jax.lax.scan(step, list(invals[nc:nc + ncarry]), list(invals[nc + ncarry:]),
                            length=eqn.params["length"], reverse=eqn.params["reverse"])
   return list(carry) + list(ys)
+
+
+def _barrier(values: list[Any]) -> list[Any]:
+  """`values` through one `jax.lax.optimization_barrier` (arrays only; literals and
+  Python scalars pass as they are), as JAX lowers a differentiated checkpoint."""
+  arrays = [k for k, v in enumerate(values) if isinstance(v, jax.Array) or jx.is_tracer(v)]
+  out = list(values)
+  for k, v in zip(arrays, jax.lax.optimization_barrier([values[k] for k in arrays])):
+    out[k] = v
+  return out
 
 
 def _pinned(value, sharding: NamedSharding, memo: dict):

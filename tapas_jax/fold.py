@@ -403,10 +403,27 @@ def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
     edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
     for start, end in zip(edges[0::2], edges[1::2]):
       copies = (end - start) // p + 1
-      if copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes):
+      if copies >= 3 or (copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes)):
         # Ops saved by folding: a long run of a short unit beats two copies of a long one.
         found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
-  return _best_disjoint(found)
+  return _best_disjoint(found + _trimmed(found))
+
+
+def _trimmed(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+  """Copies of spans with less than a period cut off an end where another span ends or
+  starts: two runs of different blocks share the op between them (the residual add has
+  one signature in both) and would otherwise exclude each other."""
+  stops = np.array(sorted({f[3] for f in found}), np.int64)
+  starts = np.array(sorted({f[2] for f in found}), np.int64)
+  out = []
+  for _, _, start, stop, p in found:
+    lo = min(start + p, stop - 2 * p)  # keep two whole copies
+    for s in stops[np.searchsorted(stops, start, "right"):np.searchsorted(stops, lo, "right")]:
+      out.append((((stop - s) // p - 1) * p, -p, int(s), stop, p))
+    hi = max(stop - p, start + 2 * p)
+    for t in starts[np.searchsorted(starts, hi, "left"):np.searchsorted(starts, stop, "left")]:
+      out.append((((t - start) // p - 1) * p, -p, start, int(t), p))
+  return out
 
 
 def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
@@ -512,25 +529,89 @@ def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, di
   return score, target
 
 
+def _split_straddling(graph: Graph, ops: list[int], touches: list[set[int]],
+                      target: int) -> dict[int, list[int]]:
+  """Instance -> ops of a unit matched to `target`, split where the unit straddles.
+
+  An elementwise pass over every leaf (Adam's bias corrections: the mu then the nu
+  leaves of all layers, one op each) repeats with the period of the whole pass when it
+  runs twice, so one unit holds every layer's leaves. A unit that contracts nothing and
+  shares values with several instances is such a pass: each op goes to the instance
+  whose values it reads or writes, ops between them (the scalar correction factor both
+  read) to the one instance their neighbours in the unit agree on, the rest to glue.
+  """
+  if _contracts(graph, ops):
+    return {target: list(ops)}
+  owner: dict[int, int] = {}
+  for i in ops:
+    t = _touch(graph, [i])
+    hits = {k for k, inst in enumerate(touches) if t & inst}
+    if len(hits) == 1:
+      owner[i] = hits.pop()
+  if len(set(owner.values())) <= 1:
+    return {target: list(ops)}
+  members = set(ops)
+  for _ in range(len(ops)):
+    changed = False
+    for i in ops:
+      if i in owner:
+        continue
+      op = graph.ops[i]
+      near = [graph.producer.get(v) for v in op.inputs] + [
+          c for v in op.outputs for c in graph.consumers.get(v, ())]
+      seen = {owner.get(j, -1) for j in near if j in members}
+      if len(seen) == 1 and -1 not in seen:
+        owner[i] = seen.pop()
+        changed = True
+    if not changed:
+      break
+  out: dict[int, list[int]] = collections.defaultdict(list)
+  for i in ops:
+    if i in owner:
+      out[owner[i]].append(i)
+  return out
+
+
 def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
-  """Name -> ops of instances found by tandem repeats, matched across runs by dataflow."""
+  """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
+
+  Cotangent sums (`add_any`) are left out of the sequence searched for repeats and
+  travel with the ops before them: the first block of a backward pass starts each
+  chain of sums its successors extend (a stacked parameter's gradient, a shared
+  table's), so it holds one sum fewer per chain and would break the period.
+  """
+  seq = [op for op in top if op.primitive != _ACCUMULATE]
   codes_map: dict[str, int] = {}
   codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
-                    for op in top],
+                    for op in seq],
                    dtype=np.int64)
-  pos = {op.index: j for j, op in enumerate(top)}
+  top_pos = {op.index: j for j, op in enumerate(top)} | {None: len(top)}
+
+  def unit(j: int, p: int) -> list[int]:  # seq[j:j + p] and the sums after each op
+    end = seq[j + p].index if j + p < len(seq) else None
+    return [top[t].index for t in range(top_pos[seq[j].index], top_pos[end])]
+
   instances: list[list[int]] = []
   names: list[str] = []
   touches: list[set[int]] = []
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     # Candidate phases: the cheapest cuts within one period.
     # Cut in the second period: the first one has nothing made before it.
-    cut = _cut_sizes(graph, top, start, stop, pos)[p:2 * p]
+    # Cut sizes in program order, where each unit starts: at its first op, after the
+    # sums that end the one before.
+    at = [top_pos[op.index] for op in seq[start:stop]]
+    top_cut = _cut_sizes(graph, top, at[0], top_pos[seq[stop].index if stop < len(seq)
+                                                   else None], top_pos)
+    cut = top_cut[np.array(at[p:2 * p]) - at[0]]
     phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
+    # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
+    whole = cut[:(stop - start) % p + 1]
+    phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
+    phases = sorted(set(phases))
     best = None
     for phase in phases:
       first = start + phase
-      units = [[top[j].index for j in range(u, u + p)] for u in range(first, stop - p + 1, p)]
+      units = [unit(u, p) for u in range(first, stop - p + 1, p)]
       unit_touch = [_touch(graph, u) for u in units]
       score, target = _match(unit_touch, touches)
       key = (score, _path_affinity(graph, units), -phase)
@@ -539,8 +620,9 @@ def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]
     _, units, unit_touch, target = best
     for u, ops in enumerate(units):
       if u in target:
-        instances[target[u]].extend(ops)
-        touches[target[u]] |= unit_touch[u]
+        for owner, part in _split_straddling(graph, ops, touches, target[u]).items():
+          instances[owner].extend(part)
+          touches[owner] |= _touch(graph, part)
       elif _contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
@@ -623,6 +705,46 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
         inside.discard(i)
         changed = True
   return [i for i in ops if i in inside], [i for i in ops if i not in inside]
+
+
+def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, list[int]],
+                           edges: dict[int, list[int]], blind: dict[int, str]) -> None:
+  """Gives back to each instance the edge sums every copy of its layer has alike.
+
+  `_split_edge_sums` peels every sum that reads from outside, also those each copy
+  holds one of: the residual stream's cotangent plus the block's own (dy + d_branch),
+  which only the chains of a shared value (a stacked parameter's gradient, summed over
+  the blocks) lack in one copy. Sums whose signature every copy of a unique layer holds
+  equally often, and that read a value the copy makes, go back in; kept only where the
+  copies still fingerprint alike. Updates `members` and `edges` in place.
+  """
+  order = {op.index: j for j, op in enumerate(top)}
+  groups = collections.defaultdict(list)
+  for k in edges:
+    groups[subgraph_fingerprint([graph.ops[i] for i in members[k]], signature=blind)].append(k)
+
+  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
+
+  def own(k, i):
+    return any(v in made[k] for v in graph.ops[i].inputs)
+
+  for keys in groups.values():
+    if len(keys) < 2:
+      continue
+    counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
+                                  if own(k, i)) for k in keys]
+    common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
+    if not common:
+      continue
+    back = {k: [i for i in edges[k]
+                if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
+    merged = {k: sorted(members[k] + back[k], key=order.__getitem__) for k in keys}
+    fps = {subgraph_fingerprint([graph.ops[i] for i in merged[k]], signature=blind)
+           for k in keys}
+    if len(fps) == 1:
+      for k in keys:
+        members[k] = merged[k]
+        edges[k] = [i for i in edges[k] if i not in set(back[k])]
 
 
 def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
@@ -744,10 +866,11 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       leftovers.append(op.index)
   layer_keys = sorted((k for k in range(len(layers)) if members[k]),
                       key=lambda k: members[k][0])
-  sums = []
+  edges = {}
   for k in layer_keys:
-    members[k], edge = _split_edge_sums(graph, members[k])
-    sums.extend(edge)
+    members[k], edges[k] = _split_edge_sums(graph, members[k])
+  _restore_balanced_sums(graph, top, members, edges, blind)
+  sums = [i for k in layer_keys for i in edges[k]]
 
   by_fp: dict[str, list[int]] = {}
   raw = []

@@ -467,3 +467,83 @@ def test_a_scan_remat_writes_out_the_carry_it_recomputes_from(policy):
   plan = dataclasses.replace(plan, remat=((f.unique_layers[0].name, policy),))
   want_ws, want_loss = jax.jit(step)(ws, x)
   _applied_like_unsharded(plan, step, (ws, x), want_ws, want_loss)
+
+
+def _gpt_like_step(user_remat: bool, layers: int = 4):
+  """A plain-JAX GPT-like train step; with `user_remat` its blocks are under the user's
+  own `jax.checkpoint(policy=dots_saveable)`."""
+  d, ff, seq, batch, vocab = 64, 256, 32, 8, 128
+
+  def block(p, x):
+    h = x * jax.lax.rsqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    w = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", h @ p["q"], h @ p["k"]) / 8.0, -1)
+    x = x + jnp.einsum("bqk,bkd->bqd", w, h @ p["v"]) @ p["o"]
+    h = x * jax.lax.rsqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+    return x + jax.nn.gelu(h @ p["fc1"]) @ p["fc2"]
+
+  if user_remat:
+    block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)
+
+  def step(params, b):
+    def loss_fn(p):
+      x = p["embed"][b["x"]]
+      for bp in p["blocks"]:
+        x = block(bp, x)
+      logp = jax.nn.log_softmax(x @ p["embed"].T)
+      return -jnp.mean(jnp.take_along_axis(logp, b["y"][..., None], -1))
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+  keys = iter(jax.random.split(jax.random.key(0), 6 * layers + 2))
+  shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "fc1": (d, ff), "fc2": (ff, d)}
+  params = {"embed": jax.random.normal(next(keys), (vocab, d)) * 0.05,
+            "blocks": [{n: jax.random.normal(next(keys), s) * 0.05 for n, s in shapes.items()}
+                       for _ in range(layers)]}
+  tokens = jax.random.randint(next(keys), (batch, seq + 1), 0, vocab)
+  return step, params, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def test_a_users_checkpoint_is_costed_once_and_kept_by_apply():
+  """The user's remat is in the traced program (its recomputed forward sits in the
+  backward): the search prices its recompute and the residuals it drops, the plan's
+  remat adds nothing the user's policy already recomputes, and `apply` keeps the
+  recomputation apart from the forward (inlined without JAX's barrier, XLA merged the
+  two: measured 354.3 MFLOP and no fewer temporaries, against 356.8 for `jax.jit`)."""
+  runs = {}
+  for user in (False, True):
+    step, params, batch = _gpt_like_step(user)
+    plan = tapas.search(step, params, batch, mesh=MESH, device="h100")
+    placed = tapas.place(plan, params, batch)
+    runs[user] = (plan, measure.measure(tapas.apply(plan, step).lower(*placed).compile(), 8))
+  (plain, plain_run), (user, user_run) = runs[False], runs[True]
+  assert user.stats.predicted_memory_bytes < plain.stats.predicted_memory_bytes
+  # The recompute survives: as many FLOPs as `jax.jit` of the step with the user's remat,
+  # more than without it.
+  unsharded = measure.measure(jax.jit(step).lower(params, batch).compile(), 1).flops
+  assert user_run.flops > plain_run.flops + 0.5 * (unsharded - plain_run.flops)
+  assert user_run.flops == pytest.approx(unsharded, rel=2e-3)
+  # Under the user's dots_saveable the backward reads no non-dot forward value: the
+  # plan's dots_saveable has nothing left to recompute.
+  f = fold.fold(trace.trace(step, params, batch))
+  assert len(f.instances) == 4 and len(f.unique_layers) == 1
+  assert all(remat.instance_remat(f.graph, i.ops, "dots_saveable") is None
+             for i in f.instances)
+  # Under a budget the plan splits values and rematerialises the rest of the forward
+  # too (the dots the user saves), and still computes the unsharded step with the
+  # user's barriers in it.
+  tight = tapas.search(step, params, batch, mesh=MESH, device="h100",
+                       memory_budget=0.4 * user.stats.predicted_memory_bytes)
+  assert tight.remat == (("repeat0", "nothing_saveable"),)
+  specs = jax.tree.leaves(tight.in_specs, is_leaf=_is_spec)
+  assert any(any(e is not None for e in s) for s in specs), "the plan splits nothing"
+  applied, placed = tapas.apply(tight, step), tapas.place(tight, params, batch)
+  assert applied.lower(*placed).as_text().count("optimization_barrier") >= 4
+  new, loss = applied(*placed)
+  ref_new, ref_loss = jax.jit(step)(params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

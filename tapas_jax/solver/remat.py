@@ -76,6 +76,8 @@ POLICIES = ("everything_saveable", "dots_saveable", "nothing_saveable")
 NO_REMAT = POLICIES[0]
 # Outputs `dots_saveable` keeps (as `jax.checkpoint_policies.dots_saveable`).
 _DOTS = frozenset({"dot_general", "conv_general_dilated"})
+# Identity copies of a value (JAX's marks on the residuals a user's remat saves).
+_COPIES = frozenset({"reduce_precision", "copy", "copy_p", "optimization_barrier"})
 # Up to this many policy combinations are tried exhaustively (each is a budgeted
 # solve); beyond, one policy for
 # every remat-able layer at a time.
@@ -116,12 +118,18 @@ class InstanceRemat:
   param_reads: tuple[tuple[int, int], ...] = ()
 
 
-def _saved(op: Op, policy: str) -> bool:
+def _saved(op: Op, policy: str, graph: Graph | None = None) -> bool:
   if op.subregions:  # loops and branches are never recomputed (see module doc)
     return True
   if policy == "nothing_saveable":
     return False
   if policy == "dots_saveable":
+    if op.primitive in _COPIES and graph is not None:
+      # The user's own remat marks each residual it saves with an identity
+      # `reduce_precision` (so XLA cannot merge the recomputation into the forward):
+      # a copy of a saved dot is saved with it, not recomputed from it.
+      src = graph.producer.get(op.inputs[0]) if op.inputs else None
+      return src is not None and _saved(graph.ops[src], policy, graph)
     return op.primitive in _DOTS
   return True
 
@@ -133,7 +141,7 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
   mine = set(ops)
   forward = {i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])
-             and not _saved(graph.ops[i], policy)}
+             and not _saved(graph.ops[i], policy, graph)}
   producer = graph.producer
   reads, recompute, stack = [], set(), []
   for b in ops:
@@ -229,7 +237,7 @@ def scan_remat(graph: Graph, forward: int, backward: int, policy: str) -> ScanRe
       continue
     p = graph.producer.get(fr.outputs[s])
     only_backward = set(readers.get(v, ())) == {backward} and min(slots) >= b_xs
-    if p in body and only_backward and not _saved(graph.ops[p], policy):
+    if p in body and only_backward and not _saved(graph.ops[p], policy, graph):
       dropped += [(j, s) for j in slots]
     else:
       kept.append((slots[0], s))

@@ -174,7 +174,8 @@ def activations(problem: Problem) -> Activations:
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
 
   fused = fused_values(g, top, live,
-                      reductions_duplicate=problem.profile.reductions_duplicate)
+                      reductions_duplicate=problem.profile.reductions_duplicate,
+                      dot_operands=problem.profile.dot_operand_fusion)
 
   def in_update(c):
     return problem.view.op_canon.get(c, c) in problem.update_ops
@@ -491,7 +492,8 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
   body = [o for o in g.ops if o.region == region.index]
   live = live_ops(g, body, region.outputs)
   fused = fused_values(g, body, live, region.outputs,
-                      reductions_duplicate=problem.profile.reductions_duplicate)
+                      reductions_duplicate=problem.profile.reductions_duplicate,
+                      dot_operands=problem.profile.dot_operand_fusion)
   out, span = [], []
   pos = {o.index: j for j, o in enumerate(body)}
   outputs = set(region.outputs)

@@ -81,8 +81,8 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   * a dot reads an elementwise chain inside its own fusion (a `kOutput` fusion whose
     convolution reads the chain) where that reads no more bytes than the chain's
     result: the chain's unfused operands hold one value at least a quarter of its
-    elements, and that one is made by the program (a weight is converted before it
-    is gathered: its bf16 copy is kept). A norm's output, the logits' cotangent
+    elements. A program input's cast (a weight's bf16 copy) is made once and kept:
+    a weight is converted before it is gathered. A norm's output, the logits' cotangent
     `softmax - onehot` are never written; the norm's input and the logits are kept
     for the backward pass's dots instead. A chain of two such values read more than
     once (a residual add, `silu(gate) * up`) is written: the dot making one of them
@@ -115,7 +115,8 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
         leaves[v] = _big_leaves(graph, op, v, out, leaves)
         into_dot = any(r.primitive == "dot_general" for r in readers)
         if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
-            into_dot and any(x not in graph.producer for x in leaves[v])):
+            into_dot and op.primitive == "convert_element_type"
+            and op.inputs[0] not in graph.producer):
           continue
       out.add(v)
   return out

@@ -162,7 +162,10 @@ def activations(problem: Problem) -> Activations:
     convolution run only in canonical order reads other operands through transposed
     copies made as the operand is made (`canonical_convolutions`); a value read by
     several ops, one leading into a reduction, is written out where reductions do
-    not recompute their operands (`reductions_duplicate`).
+    not recompute their operands (`reductions_duplicate`); the TPU compiler reads
+    elementwise chains inside its dots and recomputes exp in each reader, so a
+    norm's output and the logits' cotangent are never written, and their inputs live
+    on to the last dot reading them (`dot_operand_fusion`).
   """
   g = problem.graph
   top = g.region_ops(0)

@@ -1,29 +1,45 @@
-"""Predicted memory and bytes sent next to the TPU compiler's, for the zoo at its tiny
-configs on a v5p:2x2x1 topology (libtpu's ahead-of-time compile; no TPU needed).
+"""Predicted memory and bytes sent next to the TPU compiler's (libtpu's ahead-of-time
+compile; no TPU needed).
+
+The zoo at its tiny configs on a v5p:2x2x1 topology:
 
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --batch=8
+
+LLaMA-3-8B at MaxText's recipe shape (seq 8192, 3 per chip, bf16 compute, f32 weights,
+adamw, chunked attention), mesh data 8 x model 8 on v5p:4x4x4, with the compiler's
+breakdown (arguments, temporaries, outputs, aliased) beside the model's (state, live
+intermediates at the peak):
+
+  JAX_PLATFORMS=cpu python scripts/bench_verify.py --real --layers=2 \
+      --layouts=tapas,fsdp,fsdp:nothing_saveable,fsdp:dots_saveable [--dump=DIR]
 
 Needs libtpu: pip install 'tapas_jax[tpu]'.
 """
 
 import argparse
+import os
+import time
 import warnings
 
 import jax
 
 import tapas_jax as tapas
-from tapas_jax import baselines, models
+from tapas_jax import baselines, measure, models
+from tapas_jax.verify import USABLE_HBM, tpu_mesh
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--topology", default="v5p:2x2x1")
-  p.add_argument("--mesh", default="data:2,model:2")
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--families", default=",".join(sorted(models.FAMILIES)))
-  p.add_argument("--layouts", default="tapas,fsdp")
-  a = p.parse_args()
-  mesh = {k: int(v) for k, v in (kv.split(":") for kv in a.mesh.split(","))}
+def _plan(layout, args, mesh, family, device):
+  """A searched plan ("tapas") or a baseline ("fsdp", "fsdp:nothing_saveable")."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    if layout == "tapas":
+      return tapas.search(*args, mesh=mesh, device=device)
+    name, _, remat = layout.partition(":")
+    return baselines.baseline(name, *args, mesh=mesh, family=family, device=device,
+                              remat=remat or None)
+
+
+def zoo(a, mesh):
   print(f"jax {jax.__version__}; topology {a.topology}; mesh {mesh}; batch {a.batch}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
         "pred / comp | predicted sent KiB | compiled sent KiB | compile s |")
@@ -32,20 +48,102 @@ def main():
     m = models.get_model(family, "tiny")
     args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
     for layout in a.layouts.split(","):
+      try:
+        plan = _plan(layout, args, mesh, family, a.device)
+      except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
+        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | |")
+        continue
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-          plan = (tapas.search(*args, mesh=mesh, device="tpu-v5p") if layout == "tapas"
-                  else baselines.baseline(layout, *args, mesh=mesh, family=family,
-                                          device="tpu-v5p"))
-        except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
-          print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | |")
-          continue
         r = tapas.verify(plan, args[0], *args[1:], topology=a.topology, donate_argnums=0)
       print(f"| {family} | {layout} | {r.predicted_memory_bytes / 2**20:.2f} | "
             f"{r.peak_bytes / 2**20:.2f} | {r.memory_ratio:.2f} | "
             f"{r.predicted_comm_bytes / 2**10:.1f} | "
             f"{r.comm_bytes.get('total', 0.0) / 2**10:.1f} | {r.compile_s:.1f} |", flush=True)
+
+
+def real(a, mesh):
+  """One row per layout: the model's state and intermediates beside the compiler's
+  arguments, temporaries and outputs. Compiles directly (not through `tapas.verify`)
+  to keep the TPU HLO for `--dump`."""
+  chips = a.data * a.model
+  m = models.get_model("llama", a.config, num_layers=a.layers, seq_len=a.seq,
+                       attention="chunked", attention_chunk=512, dtype="bfloat16",
+                       param_dtype="float32", scan_layers=a.scan)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(a.per_device_batch * chips))
+  import libtpu  # noqa: PLC0415 - only to print its version
+  print(f"jax {jax.__version__}, libtpu {getattr(libtpu, '__version__', '?')}; {a.config} "
+        f"{a.layers} layers{' scanned' if a.scan else ''}, seq {a.seq}, batch "
+        f"{a.per_device_batch * chips}, mesh {mesh} on {a.topology}, profile {a.device}")
+  print("GiB per device. Predicted: state (inputs) + intermediates at the peak. Compiled: "
+        "arguments + temporaries + outputs - aliased.")
+  print("| layers | layout | remat | pred state | pred interm. | **pred total** | args | "
+        "temp | out | alias | **compiled** | pred / comp | plan s | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  tmesh = tpu_mesh(a.topology, mesh)
+  for layout in a.layouts.split(","):
+    t = time.perf_counter()
+    try:
+      plan = _plan(layout, args, mesh, "llama", a.device)
+    except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
+      print(f"| {a.layers} | {layout} | planning failed: {type(e).__name__}: "
+            f"{str(e)[:160]} |", flush=True)
+      continue
+    plan_s = time.perf_counter() - t
+    s = plan.stats
+    remat = ",".join(sorted({p for _, p in plan.remat})) or "-"
+    pred = (s.predicted_state_bytes, s.predicted_memory_bytes - s.predicted_state_bytes,
+            s.predicted_memory_bytes)
+    t = time.perf_counter()
+    step = tapas.apply(plan, args[0], mesh=tmesh, donate_argnums=0)
+    try:
+      compiled = step.lower(*args[1:]).compile()
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal is a row
+      print(f"| {a.layers} | {layout} | {remat} | " + " | ".join(f"{x / 2**30:.2f}"
+            for x in pred) + f" | compile failed: {str(e).splitlines()[0][:200]} |",
+            flush=True)
+      continue
+    compile_s = time.perf_counter() - t
+    got = measure.measure(compiled, chips, reduce_scatter_creator=False)
+    peak = got.argument_bytes + got.temp_bytes + got.output_bytes - got.alias_bytes
+    if a.dump:
+      os.makedirs(a.dump, exist_ok=True)
+      name = f"{a.layers}L_{layout.replace(':', '_')}"
+      with open(os.path.join(a.dump, f"{name}.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    comp = (got.argument_bytes, got.temp_bytes, got.output_bytes, got.alias_bytes, peak)
+    print(f"| {a.layers} | {layout} | {remat} | " + " | ".join(f"{x / 2**30:.2f}" for x in pred)
+          + " | " + " | ".join(f"{x / 2**30:.2f}" for x in comp)
+          + f" | {pred[2] / peak:.2f} | {plan_s:.1f} | {compile_s:.0f} |", flush=True)
+  hbm = USABLE_HBM.get(tmesh.devices.flat[0].device_kind)
+  if hbm:
+    print(f"usable HBM per device (compiler): {hbm / 2**30:.2f} GiB")
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--real", action="store_true",
+                 help="LLaMA at a recipe shape on --topology (default v5p:4x4x4)")
+  p.add_argument("--topology", default=None)
+  p.add_argument("--mesh", default=None, help="data:2,model:2 (zoo), data:8,model:8 (real)")
+  p.add_argument("--device", default="tpu-v5p")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--families", default=",".join(sorted(models.FAMILIES)))
+  p.add_argument("--layouts", default=None)
+  p.add_argument("--config", default="llama3-8b")
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--seq", type=int, default=8192)
+  p.add_argument("--per_device_batch", type=int, default=3)
+  p.add_argument("--scan", action="store_true")
+  p.add_argument("--dump", default=None, help="folder for the compiled TPU HLO (--real)")
+  a = p.parse_args()
+  a.topology = a.topology or ("v5p:4x4x4" if a.real else "v5p:2x2x1")
+  a.mesh = a.mesh or ("data:8,model:8" if a.real else "data:2,model:2")
+  a.layouts = a.layouts or ("tapas,fsdp,fsdp:nothing_saveable,fsdp:dots_saveable" if a.real
+                            else "tapas,fsdp")
+  mesh = {k: int(v) for k, v in (kv.split(":") for kv in a.mesh.split(","))}
+  a.data, a.model = mesh.get("data", 1), mesh.get("model", 1)
+  (real if a.real else zoo)(a, mesh)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,13 @@ class DeviceProfile:
       that other ops also read (XLA's GPU and TPU fusions do). XLA:CPU's reduction
       fusions (YNNPACK) do not: the operand is written out, as a batch norm's
       centred activations are.
+    dot_operand_fusion: whether the compiler reads elementwise chains inside a dot's
+      own fusion (where that reads no more bytes), recomputes transcendental ops in
+      each reader, and makes a one-hot scatter-add a select (`fusion.fused_values`).
+      The TPU compiler does (libtpu 0.0.42.1, read off its HLO for LLaMA-3-8B: a
+      norm's output and the logits' cotangent are never written; BENCHMARKS.md
+      "Predicted vs TPU-compiled memory at real scale"); XLA:CPU and the GPU
+      profiles are modelled without it.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -97,6 +104,7 @@ class DeviceProfile:
   canonical_convolutions: bool = False
   reductions_duplicate: bool = True
   combine_threshold_bytes: float = 30 * 2**20
+  dot_operand_fusion: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -135,6 +143,7 @@ PROFILES: dict[str, DeviceProfile] = {
         # tray), 4096-chip pod all on ICI.
         devices_per_host=4,
         intra_domain_size=4096,
+        dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
     ),
     "tpu-v5e": DeviceProfile(
         name="tpu-v5e",
@@ -155,6 +164,7 @@ PROFILES: dict[str, DeviceProfile] = {
         # https://cloud.google.com/tpu/docs/v5e: 8 chips per host, 256-chip pod.
         devices_per_host=8,
         intra_domain_size=256,
+        dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
     ),
     "tpu-v5p": DeviceProfile(
         name="tpu-v5p",
@@ -175,6 +185,7 @@ PROFILES: dict[str, DeviceProfile] = {
         # schedulable ICI slice 6144 chips (96 cubes).
         devices_per_host=4,
         intra_domain_size=6144,
+        dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
     ),
     "tpu-v6e": DeviceProfile(
         name="tpu-v6e",
@@ -197,6 +208,7 @@ PROFILES: dict[str, DeviceProfile] = {
         # https://cloud.google.com/tpu/docs/v6e: 8 chips per host, 256-chip pod.
         devices_per_host=8,
         intra_domain_size=256,
+        dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
     ),
     "a100": DeviceProfile(
         name="a100",
@@ -279,7 +291,7 @@ PROFILES: dict[str, DeviceProfile] = {
 
 # The DeviceProfile fields that describe its compiler's memory layout, not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
-                    "combine_threshold_bytes")
+                    "combine_threshold_bytes", "dot_operand_fusion")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

@@ -58,14 +58,23 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   on_cpu = cost.compiled_by_xla_cpu("tpu-v5p")
   assert on_cpu.name == "tpu-v5p on XLA:CPU"
   layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
-                       p.reductions_duplicate, p.combine_threshold_bytes)
-  assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf)
-  assert layout(base) == (True, False, True, 30 * 2**20)
+                       p.reductions_duplicate, p.combine_threshold_bytes,
+                       p.dot_operand_fusion)
+  assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False)
+  assert layout(base) == (True, False, True, 30 * 2**20, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
-                             combine_threshold_bytes=30 * 2**20) == base
+                             combine_threshold_bytes=30 * 2**20,
+                             dot_operand_fusion=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
+
+
+def test_only_the_tpu_profiles_read_elementwise_chains_inside_their_dots():
+  # One compiler (libtpu) for every TPU generation; the GPU profiles keep XLA GPU's
+  # fusions as modelled before, the cpu profile XLA:CPU's.
+  assert {n for n, p in cost.PROFILES.items() if p.dot_operand_fusion} == {
+      n for n in cost.PROFILES if n.startswith("tpu-")}
 
 
 def test_required_profiles_exist():

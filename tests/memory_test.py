@@ -1,6 +1,7 @@
 """memory: per-device bytes of the inputs and the intermediates XLA keeps, split as the
 plan splits them, and how close that comes to what XLA allocates."""
 
+import dataclasses
 import functools
 import re
 
@@ -434,3 +435,93 @@ def test_gradients_wait_only_for_their_own_combined_reduction():
                        donate_argnums=0)
   got = measure.measure(jitted.lower(state, x).compile(), 8)
   assert plan.stats.predicted_memory_bytes == pytest.approx(got.memory_bytes, rel=0.1)
+
+
+# -- the TPU compiler's fusions (DeviceProfile.dot_operand_fusion) ----------------------
+
+BF16 = jnp.bfloat16
+
+
+def _lm_head_grad(w, x, labels):
+  """The logits' dot, a float32 softmax cross entropy over them, and its gradient."""
+  def loss(w):
+    logits = x.astype(BF16) @ w.astype(BF16)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), labels).mean()
+  return jax.grad(loss)(w)
+
+
+def _written(fn, *args, dot_operands, shape):
+  """'primitive dtype' of every value of `shape` the fusions write out, in program order
+  (a broadcast constant excluded: XLA builds it inside its readers)."""
+  g = trace.trace(fn, *args)
+  top = g.region_ops(0)
+  live = fusion.live_ops(g, top)
+  fused = fusion.fused_values(g, top, live, dot_operands=dot_operands)
+  return [f"{op.primitive} {g.types[v].dtype}" for op in top if op.index in live
+          and op.primitive != "broadcast_in_dim" for v in op.outputs
+          if tuple(g.types[v].shape) == shape and v not in fused]
+
+
+LM_HEAD = (jax.ShapeDtypeStruct((256, 8192), F32), jax.ShapeDtypeStruct((8192, 256), F32),
+           jax.ShapeDtypeStruct((8192,), jnp.int32))
+
+
+def test_tpu_fusion_keeps_the_logits_not_their_cotangent():
+  # XLA:CPU / GPU as modelled: the softmax's exp (read by the forward sum and the
+  # backward), the one-hot scatter-add of the label gradient and the bf16 cotangent
+  # are written. The TPU compiler computes exp in each reader, makes the one-hot a
+  # select and reads the cotangent inside the two dots: only the bf16 logits are
+  # written, kept for the backward pass.
+  off, on = (_written(_lm_head_grad, *LM_HEAD, dot_operands=d, shape=(8192, 8192))
+             for d in (False, True))
+  assert off == ["dot_general bfloat16", "exp float32", "scatter-add float32",
+                 "convert_element_type bfloat16"]
+  assert on == ["dot_general bfloat16"]
+
+
+def test_tpu_fusion_reads_a_norm_inside_its_dots_and_writes_the_residual():
+  def block(p, x):
+    def loss(p):
+      h = x
+      for _ in range(2):
+        y = h.astype(F32)
+        y = (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6) * p["s"]).astype(BF16)
+        h = h + jax.nn.silu(y @ p["g"].astype(BF16)) * (y @ p["u"].astype(BF16))
+      return jnp.mean(h.astype(F32) ** 2)
+    return jax.grad(loss)(p)
+  s = jax.ShapeDtypeStruct
+  args = ({"s": s((512,), F32), "g": s((512, 512), F32), "u": s((512, 512), F32)},
+          s((4096, 512), BF16))
+  off, on = (_written(block, *args, dot_operands=d, shape=(4096, 512)) for d in (False, True))
+  # Per layer: the two dots, the norm's bf16 output (read by two dots forward and two
+  # backward) and the sigmoid written without; with, the norm is read inside the dots
+  # and the sigmoid recomputed. The residual add `h + silu(g) * u` combines two values
+  # and is read twice: written on TPU too (as a dot's second output).
+  forward = [x for x in on if x.split()[0] in ("convert_element_type", "dot_general",
+                                               "logistic", "add")][:5]
+  assert forward == ["dot_general bfloat16", "dot_general bfloat16", "add bfloat16",
+                     "dot_general bfloat16", "dot_general bfloat16"]
+  assert off[:4] == ["convert_element_type bfloat16", "dot_general bfloat16",
+                     "logistic bfloat16", "dot_general bfloat16"]
+
+
+@pytest.fixture
+def libtpu():
+  return pytest.importorskip(
+      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
+      "compiler tests are skipped")
+
+
+def test_tpu_fusion_agrees_with_the_tpu_compiler(libtpu):
+  # The same program, data parallel over v5p:2x2x1, judged by the TPU compiler
+  # (libtpu 0.0.42.1: 50.1 MiB per device, predicted 47.0 with the fusions and 171.0
+  # without: the f32 exp, the f32 one-hot and the bf16 cotangent, 32 + 32 + 16 MiB).
+  del libtpu
+  off = dataclasses.replace(cost.get_profile("tpu-v5p"), dot_operand_fusion=False)
+  ratios = []
+  for profile in ("tpu-v5p", off):
+    plan = baselines.baseline("data_parallel", _lm_head_grad, *LM_HEAD, mesh={"data": 4},
+                              device=profile)
+    ratios.append(tapas.verify(plan, _lm_head_grad, *LM_HEAD, topology="v5p:2x2x1")
+                  .memory_ratio)
+  assert 0.9 <= ratios[0] <= 1.1 and ratios[1] > 2.5, ratios

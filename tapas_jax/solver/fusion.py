@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
@@ -63,7 +64,7 @@ _EXPENSIVE = frozenset({
 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
                  outputs: Sequence[int] | None = None, *,
-                 reductions_duplicate: bool = True) -> set[int]:
+                 reductions_duplicate: bool = True, dot_operands: bool = False) -> set[int]:
   """Values XLA computes inside their readers' fusions and never writes out.
 
   A fusible op's result is fused into its readers when every live reader is a fusion
@@ -74,21 +75,89 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   one of which leads into a reduction through ops read once, is written out: a
   batch norm's centred activations, read by the forward pass and by the backward
   pass's sum for the scale's gradient.
+
+  With `dot_operands=True` (the TPU compiler, read off its HLO: `DeviceProfile.
+  dot_operand_fusion`) three more things are fused:
+  * a dot reads an elementwise chain inside its own fusion (a `kOutput` fusion whose
+    convolution reads the chain) where that reads no more bytes than the chain's
+    result: the chain's unfused operands hold one value at least a quarter of its
+    elements. A program input's cast (a weight's bf16 copy) is made once and kept:
+    a weight is converted before it is gathered. A norm's output, the logits' cotangent
+    `softmax - onehot` are never written; the norm's input and the logits are kept
+    for the backward pass's dots instead. A chain of two such values read more than
+    once (a residual add, `silu(gate) * up`) is written: the dot making one of them
+    writes it as a second output;
+  * the transcendental ops (exp, logistic) are recomputed in each reader like cheap
+    ones: the softmax's exp is computed in the forward reduction and again in the
+    backward dots, the gate's sigmoid in the MLP's forward and backward fusions;
+  * a one-hot scatter-add (`take_along_axis`'s transpose: one update per row, the
+    loss's label gradient) is a select against an iota, elementwise.
   """
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
-  out = set()
+  fusing = _FUSING | {"dot_general"} if dot_operands else _FUSING
+  out: set[int] = set()
+  leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
   for op in top:
-    if op.index not in live or op.primitive not in _FUSIBLE or op.subregions:
+    one_hot = dot_operands and _one_hot_scatter(graph, op)  # its combiner is a region
+    if op.index not in live or not (one_hot or (op.primitive in _FUSIBLE
+                                                and not op.subregions)):
       continue
     for v in op.outputs:
       readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
-      if (v not in outputs and readers
-          and all(r.primitive in _FUSING and not r.subregions for r in readers)
-          and (op.primitive not in _EXPENSIVE or len(readers) == 1)
-          and (len(readers) == 1 or not any(r.index in into_reduction for r in readers))):
-        out.add(v)
+      if not (v not in outputs and readers
+              and all(r.primitive in fusing and not r.subregions for r in readers)
+              and (dot_operands or op.primitive not in _EXPENSIVE or len(readers) == 1)
+              and (len(readers) == 1 or not any(r.index in into_reduction
+                                                for r in readers))):
+        continue
+      if dot_operands:
+        leaves[v] = _big_leaves(graph, op, v, out, leaves)
+        into_dot = any(r.primitive == "dot_general" for r in readers)
+        if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
+            into_dot and op.primitive == "convert_element_type"
+            and op.inputs[0] not in graph.producer):
+          continue
+      out.add(v)
   return out
+
+
+def _big_leaves(graph: Graph, op: Op, v: int, fused: set[int],
+                leaves: dict[int, frozenset[int]]) -> frozenset[int]:
+  """The written values a fused chain ending in `v` reads that have at least a quarter
+  of v's elements (smaller ones, a norm's statistics or scale, are broadcast)."""
+  size = max(1, _elements(graph, v))
+  out: set[int] = set()
+  for x in op.inputs:
+    if x not in graph.literals:
+      out.update(leaves.get(x, ()) if x in fused else (x,))
+  return frozenset(x for x in out if 4 * _elements(graph, x) >= size
+                   and not _constant(graph, x))
+
+
+def _constant(graph: Graph, v: int) -> bool:
+  """A broadcast literal or an iota (the zeros a scatter-add starts from): the
+  compiler builds it inside its readers, reading nothing."""
+  p = graph.producer.get(v)
+  return p is not None and graph.ops[p].primitive in ("broadcast_in_dim", "iota") and all(
+      x in graph.literals for x in graph.ops[p].inputs)
+
+
+def _elements(graph: Graph, v: int) -> int:
+  n = 1
+  for d in graph.types[v].shape:
+    n *= d
+  return n
+
+
+def _one_hot_scatter(graph: Graph, op: Op) -> bool:
+  """A scatter-add of one update per row of its operand (the batch dims are the
+  operand's batching dims, no window): `take_along_axis`'s transpose, which the TPU
+  compiler makes a select of the update where an iota equals the index."""
+  if op.primitive not in ("scatter-add", "scatter_add"):
+    return False
+  dn = jx.scatter_dims(op.raw_params)
+  return bool(dn.operand_batching_dims) and not dn.update_window_dims
 
 
 def _into_reduction(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]:

@@ -162,7 +162,10 @@ def activations(problem: Problem) -> Activations:
     convolution run only in canonical order reads other operands through transposed
     copies made as the operand is made (`canonical_convolutions`); a value read by
     several ops, one leading into a reduction, is written out where reductions do
-    not recompute their operands (`reductions_duplicate`).
+    not recompute their operands (`reductions_duplicate`); the TPU compiler reads
+    elementwise chains inside its dots and recomputes exp in each reader, so a
+    norm's output and the logits' cotangent are never written, and their inputs live
+    on to the last dot reading them (`dot_operand_fusion`).
   """
   g = problem.graph
   top = g.region_ops(0)
@@ -174,7 +177,8 @@ def activations(problem: Problem) -> Activations:
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
 
   fused = fused_values(g, top, live,
-                      reductions_duplicate=problem.profile.reductions_duplicate)
+                      reductions_duplicate=problem.profile.reductions_duplicate,
+                      dot_operands=problem.profile.dot_operand_fusion)
 
   def in_update(c):
     return problem.view.op_canon.get(c, c) in problem.update_ops
@@ -491,7 +495,8 @@ def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
   body = [o for o in g.ops if o.region == region.index]
   live = live_ops(g, body, region.outputs)
   fused = fused_values(g, body, live, region.outputs,
-                      reductions_duplicate=problem.profile.reductions_duplicate)
+                      reductions_duplicate=problem.profile.reductions_duplicate,
+                      dot_operands=problem.profile.dot_operand_fusion)
   out, span = [], []
   pos = {o.index: j for j, o in enumerate(body)}
   outputs = set(region.outputs)

@@ -394,7 +394,8 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       values.append(v)
     body = [op for op in g.ops if op.region == fr.index]
     fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
-                         reductions_duplicate=problem.profile.reductions_duplicate)
+                         reductions_duplicate=problem.profile.reductions_duplicate,
+                         dot_operands=problem.profile.dot_operand_fusion)
     for p in r.recompute:
       for v in g.ops[p].outputs:
         if v in fused or not g.types[v].shape:

@@ -39,28 +39,16 @@ import collections
 import dataclasses
 import re
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
-import numpy as np
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax.repeats import (ACCUMULATE, CONTRACTIONS, contracts, loop_trip,
+                               segment_by_structure)
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
 
-# Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
-_MIN_PERIOD = 3
-# A repeated scope is a layer only if it contracts something: repeated layer norms or
-# casts are cheap glue, not a sharding decision worth folding.
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-# The AD accumulation primitive: sums of cotangents at an instance's edge.
-_ACCUMULATE = "add_any"
-# Phases tried when cutting a periodic span into units.
-_MAX_PHASES = 64
-# A structural repeat must cover at least this share of the program.
-_MIN_COVERAGE = 0.02
-# How many candidate periods the structural detector checks.
-_MAX_PERIODS = 256
 # Below this share of ops in layers found by names, structure is tried too, and it
 # takes over when its fold ratio beats the names' by this factor.
 _NAMES_ENOUGH = 0.85
@@ -240,7 +228,7 @@ class _ScopeTree:
     self.loops: set[tuple[str, ...]] = set()
     for op in ops:
       scope = _op_scope(graph, op)
-      if _loop_trip(graph, op):
+      if loop_trip(graph, op):
         self.loops.add(scope)
       # Layer identity is decided on forward ops: backward ops of the first and last
       # copies differ by where shared cotangents get summed.
@@ -254,15 +242,12 @@ class _ScopeTree:
           self.forward[prefix].append(op.index)
 
 
-def _contracts(graph: Graph, ops: Iterable[int]) -> bool:
-  return any(graph.ops[i].primitive in _CONTRACTIONS or graph.ops[i].subregions
-             for i in ops)
 
 
 def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
   """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
   scope = scope_of(op.name_stack)
-  if not _loop_trip(graph, op):
+  if not loop_trip(graph, op):
     return scope
   body = [scope_of(o.name_stack)[len(scope):] for o in graph.ops
           if o.region in op.subregions]
@@ -289,7 +274,7 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
     kids = [node + (c,) for c in tree.children[node]]
     fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]],
                                    signature=blind)
-           for k in kids if _contracts(graph, tree.subtree[k])}
+           for k in kids if contracts(graph, tree.subtree[k])}
     counts = collections.Counter(fps.values())
     repeated = any(n >= 2 for n in counts.values())
     for k in kids:
@@ -331,13 +316,6 @@ def _offset_blind(graph: Graph) -> dict[int, str]:
   return out
 
 
-def _loop_trip(graph: Graph, op: Op) -> int:
-  for r in op.subregions:
-    region = graph.regions[r]
-    if region.trip_count and region.trip_count > 1 and sum(
-        1 for o in graph.ops if o.region == r) >= _MIN_PERIOD:
-      return region.trip_count
-  return 0
 
 
 def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
@@ -347,9 +325,9 @@ def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
   (chunked attention, a `fori_loop`) runs once per instance, however many times the
   loop inside it turns.
   """
-  if any(graph.ops[i].primitive in _CONTRACTIONS for i in ops):
+  if any(graph.ops[i].primitive in CONTRACTIONS for i in ops):
     return 1
-  return max((_loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
+  return max((loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
 
 
 def _input_labels(graph: Graph, scopes: dict[tuple[str, ...], int]) -> dict[int, int]:
@@ -374,278 +352,6 @@ def _input_labels(graph: Graph, scopes: dict[tuple[str, ...], int]) -> dict[int,
   return out
 
 
-# -- structure -------------------------------------------------------------------
-
-
-def _candidate_periods(codes: np.ndarray) -> list[int]:
-  """Gaps between successive occurrences of the same signature, most common first."""
-  order = np.lexsort((np.arange(len(codes)), codes))
-  same = codes[order][1:] == codes[order][:-1]
-  gaps = (order[1:] - order[:-1])[same]
-  gaps = gaps[gaps >= _MIN_PERIOD]
-  if not len(gaps):
-    return []
-  values, counts = np.unique(gaps, return_counts=True)
-  score = counts * values  # ops a repeat of that period could cover
-  keep = values[np.argsort(-score, kind="stable")][:_MAX_PERIODS]
-  return sorted(int(p) for p in keep)
-
-
-def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
-  """Non-overlapping periodic spans (start, stop, period), most ops saved first.
-
-  `codes[start:stop]` repeats with `period` at least twice. Where a unit starts inside
-  the span (its phase) is not decided here: any rotation of a unit repeats too.
-  """
-  found = []
-  for p in _candidate_periods(codes):
-    eq = np.concatenate([[False], codes[p:] == codes[:-p], [False]])
-    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
-    for start, end in zip(edges[0::2], edges[1::2]):
-      copies = (end - start) // p + 1
-      if copies >= 3 or (copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes)):
-        # Ops saved by folding: a long run of a short unit beats two copies of a long one.
-        found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
-  return _best_disjoint(found + _trimmed(found))
-
-
-def _trimmed(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-  """Copies of spans with less than a period cut off an end where another span ends or
-  starts: two runs of different blocks share the op between them (the residual add has
-  one signature in both) and would otherwise exclude each other."""
-  stops = np.array(sorted({f[3] for f in found}), np.int64)
-  starts = np.array(sorted({f[2] for f in found}), np.int64)
-  out = []
-  for _, _, start, stop, p in found:
-    lo = min(start + p, stop - 2 * p)  # keep two whole copies
-    for s in stops[np.searchsorted(stops, start, "right"):np.searchsorted(stops, lo, "right")]:
-      out.append((((stop - s) // p - 1) * p, -p, int(s), stop, p))
-    hi = max(stop - p, start + 2 * p)
-    for t in starts[np.searchsorted(starts, hi, "left"):np.searchsorted(starts, stop, "left")]:
-      out.append((((t - start) // p - 1) * p, -p, start, int(t), p))
-  return out
-
-
-def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
-  """Weighted interval scheduling: the disjoint spans that save the most ops in total.
-
-  Greedy by single-span score would let two copies of a long unit (Adam's mu and nu
-  corrections together) shadow two long runs of a short one.
-  """
-  spans = sorted(found, key=lambda f: f[3])  # by stop
-  stops = [f[3] for f in spans]
-  best = [0] * (len(spans) + 1)
-  take = [False] * len(spans)
-  prev = [0] * len(spans)
-  for k, (saved, _, start, _stop, _) in enumerate(spans):
-    prev[k] = int(np.searchsorted(stops, start, side="right"))
-    with_k = saved + best[prev[k]]
-    take[k] = with_k > best[k]
-    best[k + 1] = max(best[k], with_k)
-  chosen = []
-  k = len(spans) - 1
-  while k >= 0:
-    if take[k]:
-      _, _, start, stop, p = spans[k]
-      chosen.append((start, stop, p))
-      k = prev[k] - 1
-    else:
-      k -= 1
-  return sorted(chosen)
-
-
-def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
-               pos: dict[int, int]) -> np.ndarray:
-  """cut[j - start]: values made in top[start:j] and read in top[j:stop].
-
-  A layer boundary is where few values cross (the residual stream): the place to cut
-  a periodic span into units. Values from outside the span (saved activations read
-  by a backward pass) cross every point alike, so they are left out.
-  """
-  delta = np.zeros(stop - start + 2, np.int64)
-  for j in range(start, stop):
-    for v in top[j].outputs:
-      if not graph.types[v].shape:
-        continue
-      last = max((pos[c] for c in graph.consumers.get(v, ())
-                  if c in pos and pos[c] < stop), default=j)
-      if last > j:
-        delta[j + 1 - start] += 1
-        delta[last + 1 - start] -= 1
-  return np.cumsum(delta)[:stop - start]
-
-
-def _touch(graph: Graph, ops: Iterable[int]) -> set[int]:
-  """Non-scalar, non-literal values an op set reads or writes."""
-  out = set()
-  for i in ops:
-    op = graph.ops[i]
-    for v in op.inputs + op.outputs:
-      if v not in graph.literals and graph.types[v].shape:
-        out.add(v)
-  return out
-
-
-def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
-  """How well units line up with the argument pytree: summed common path prefixes.
-
-  A unit cut at the true layer boundary reads `params/blocks/3/...` only; a rotated
-  one straddles two layers and shares just `params/blocks`.
-  """
-  total = 0
-  for ops in units:
-    paths = [graph.input_path[v].split("/") for i in ops for v in graph.ops[i].inputs
-             if v in graph.input_path]
-    if not paths:
-      continue
-    common = paths[0]
-    for path in paths[1:]:
-      n = 0
-      while n < min(len(common), len(path)) and common[n] == path[n]:
-        n += 1
-      common = common[:n]
-    total += len(common)
-  return total
-
-
-def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, dict]:
-  """Greedy one-to-one unit -> instance matching by shared values; (score, mapping)."""
-  pairs = sorted(((len(t & touches[i]), -u, -i, u, i)
-                  for u, t in enumerate(unit_touch) for i in range(len(touches))),
-                 reverse=True)
-  target: dict[int, int] = {}
-  used, score = set(), 0
-  for shared, _, _, u, i in pairs:
-    if shared >= 2 and u not in target and i not in used:
-      target[u] = i
-      used.add(i)
-      score += shared
-  # A span may hold two units per instance (Adam corrects mu, then nu, leaf by leaf
-  # with identical ops): the rest go to the instance they share most with.
-  for shared, _, _, u, i in pairs:
-    if shared >= 2 and u not in target:
-      target[u] = i
-      score += shared
-  return score, target
-
-
-def _split_straddling(graph: Graph, ops: list[int], touches: list[set[int]],
-                      target: int) -> dict[int, list[int]]:
-  """Instance -> ops of a unit matched to `target`, split where the unit straddles.
-
-  An elementwise pass over every leaf (Adam's bias corrections: the mu then the nu
-  leaves of all layers, one op each) repeats with the period of the whole pass when it
-  runs twice, so one unit holds every layer's leaves. A unit that contracts nothing and
-  shares values with several instances is such a pass: each op goes to the instance
-  whose values it reads or writes, ops between them (the scalar correction factor both
-  read) to the one instance their neighbours in the unit agree on, the rest to glue.
-  """
-  if _contracts(graph, ops):
-    return {target: list(ops)}
-  owner: dict[int, int] = {}
-  for i in ops:
-    t = _touch(graph, [i])
-    hits = {k for k, inst in enumerate(touches) if t & inst}
-    if len(hits) == 1:
-      owner[i] = hits.pop()
-  if len(set(owner.values())) <= 1:
-    return {target: list(ops)}
-  members = set(ops)
-  for _ in range(len(ops)):
-    changed = False
-    for i in ops:
-      if i in owner:
-        continue
-      op = graph.ops[i]
-      near = [graph.producer.get(v) for v in op.inputs] + [
-          c for v in op.outputs for c in graph.consumers.get(v, ())]
-      seen = {owner.get(j, -1) for j in near if j in members}
-      if len(seen) == 1 and -1 not in seen:
-        owner[i] = seen.pop()
-        changed = True
-    if not changed:
-      break
-  out: dict[int, list[int]] = collections.defaultdict(list)
-  for i in ops:
-    if i in owner:
-      out[owner[i]].append(i)
-  return out
-
-
-def _segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
-  """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
-
-  Cotangent sums (`add_any`) are left out of the sequence searched for repeats and
-  travel with the ops before them: the first block of a backward pass starts each
-  chain of sums its successors extend (a stacked parameter's gradient, a shared
-  table's), so it holds one sum fewer per chain and would break the period.
-  """
-  seq = [op for op in top if op.primitive != _ACCUMULATE]
-  codes_map: dict[str, int] = {}
-  codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
-                    for op in seq],
-                   dtype=np.int64)
-  top_pos = {op.index: j for j, op in enumerate(top)} | {None: len(top)}
-
-  def unit(j: int, p: int) -> list[int]:  # seq[j:j + p] and the sums after each op
-    end = seq[j + p].index if j + p < len(seq) else None
-    return [top[t].index for t in range(top_pos[seq[j].index], top_pos[end])]
-
-  instances: list[list[int]] = []
-  names: list[str] = []
-  touches: list[set[int]] = []
-  for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
-    # Candidate phases: the cheapest cuts within one period.
-    # Cut in the second period: the first one has nothing made before it.
-    # Cut sizes in program order, where each unit starts: at its first op, after the
-    # sums that end the one before.
-    at = [top_pos[op.index] for op in seq[start:stop]]
-    top_cut = _cut_sizes(graph, top, at[0], top_pos[seq[stop].index if stop < len(seq)
-                                                   else None], top_pos)
-    cut = top_cut[np.array(at[p:2 * p]) - at[0]]
-    phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
-    # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
-    whole = cut[:(stop - start) % p + 1]
-    phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
-    phases = sorted(set(phases))
-    best = None
-    for phase in phases:
-      first = start + phase
-      units = [unit(u, p) for u in range(first, stop - p + 1, p)]
-      unit_touch = [_touch(graph, u) for u in units]
-      score, target = _match(unit_touch, touches)
-      key = (score, _path_affinity(graph, units), -phase)
-      if best is None or key > best[0]:
-        best = (key, units, unit_touch, target)
-    _, units, unit_touch, target = best
-    for u, ops in enumerate(units):
-      if u in target:
-        for owner, part in _split_straddling(graph, ops, touches, target[u]).items():
-          instances[owner].extend(part)
-          touches[owner] |= _touch(graph, part)
-      elif _contracts(graph, ops):  # a new layer must contract something
-        instances.append(list(ops))
-        names.append(f"repeat{k}[{u}]")
-        touches.append(unit_touch[u])
-  # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
-  claimed = {i for inst in instances for i in inst}
-  loops: list[int] = []
-  for op in top:
-    if _loop_trip(graph, op) and op.index not in claimed:
-      t = _touch(graph, [op.index])
-      _, target = _match([t], [touches[k] for k in loops])
-      if 0 in target:
-        k = loops[target[0]]
-        instances[k].append(op.index)
-        touches[k] |= t
-      else:
-        loops.append(len(instances))
-        instances.append([op.index])
-        names.append(f"loop{len(loops) - 1}")
-        touches.append(t)
-  if not instances:
-    return None
-  return {(n,): sorted(ops) for n, ops in zip(names, instances)}, {}
 
 
 # -- shared finishing -----------------------------------------------------------------
@@ -696,7 +402,7 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
     changed = False
     for i in ops:
       op = graph.ops[i]
-      if i not in inside or op.primitive != _ACCUMULATE:
+      if i not in inside or op.primitive != ACCUMULATE:
         continue
       from_outside = not all(graph.producer.get(v) in inside for v in op.inputs)
       to_outside = not any(c in inside for v in op.outputs
@@ -819,14 +525,14 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   blind = _offset_blind(graph)
   found = _segment_by_names(graph, top, blind) if use_names else None
   if found is None:
-    return _finish(graph, top, _segment_by_structure(graph, top, blind), "structure", start,
+    return _finish(graph, top, segment_by_structure(graph, top, blind), "structure", start,
                    blind)
   by_names = _finish(graph, top, found, "names", start, blind)
   if _in_layers(by_names) >= _NAMES_ENOUGH:
     return by_names
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
-  by_structure = _finish(graph, top, _segment_by_structure(graph, top, blind), "structure",
+  by_structure = _finish(graph, top, segment_by_structure(graph, top, blind), "structure",
                          start, blind)
   if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
     return by_structure

@@ -29,6 +29,7 @@ STAGES = (
     ("tapas_jax.trace",),
     ("tapas_jax.op_rule",),
     ("tapas_jax.rules",),
+    ("tapas_jax.repeats",),
     ("tapas_jax.fold",),
     ("tapas_jax.cost",),
     ("tapas_jax.solver", "tapas_jax.solver."),
@@ -260,13 +261,13 @@ def test_the_package_readme_draws_the_same_order():
     ({"tapas_jax.trace": "from tapas_jax import fold\n",
       "tapas_jax.fold": "from tapas_jax.trace import Graph\n"},
      ["import circle: tapas_jax.fold -> tapas_jax.trace -> tapas_jax.fold",
-      "upward import: tapas_jax.trace (stage 5) imports tapas_jax.fold (stage 8), line 1"]),
+      "upward import: tapas_jax.trace (stage 5) imports tapas_jax.fold (stage 9), line 1"]),
     ({"tapas_jax.plan": "def f():\n  from . import plan_file\n",
       "tapas_jax.plan_file": "from tapas_jax import plan as planlib\n"},
      ["import circle: tapas_jax.plan -> tapas_jax.plan_file -> tapas_jax.plan",
       "import inside a function: tapas_jax.plan imports tapas_jax.plan_file, line 2; "
       "import it at the top, or document it in LAZY",
-      "upward import: tapas_jax.plan_file (stage 12) imports tapas_jax.plan (stage 13), "
+      "upward import: tapas_jax.plan_file (stage 13) imports tapas_jax.plan (stage 14), "
       "line 1"]),
     ({"tapas_jax.api": "import numpy\ndef f():\n  import jax\n"},
      ["import inside a function: tapas_jax.api imports jax, line 3; import it at the top, "
@@ -277,7 +278,7 @@ def test_the_package_readme_draws_the_same_order():
       "tapas_jax.plan": ""},
      ["import circle: tapas_jax.solver.budget -> tapas_jax.solver.solve -> "
       "tapas_jax.solver.budget",
-      "upward import: tapas_jax.cost (stage 9) imports tapas_jax.plan (stage 13), line 2"]),
+      "upward import: tapas_jax.cost (stage 10) imports tapas_jax.plan (stage 14), line 2"]),
     ({"tapas_jax.shard": "def f():\n  from tapas_jax import shard_flax  # noqa: PLC0415\n",
       "tapas_jax.shard_flax": "import flax\n"}, []),
 ])

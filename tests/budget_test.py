@@ -13,13 +13,13 @@ import re
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
 import tapas_jax as tapas
 from tapas_jax import api, baselines, cost, models
+import styles  # tests/styles.py: train steps in common library styles
 
 MESHES = {
     "data2_model4": {"data": 2, "model": 4},
@@ -88,23 +88,6 @@ SCAN_LAYERS = 4
 _PLAIN = dict(batch=16, seq=16, width=32, heads=4, hidden=64)
 
 
-def _plain_block(x, p):
-  b, s, d = x.shape
-  h = _PLAIN["heads"]
-  q, k, v = ((x @ p[w]).reshape(b, s, h, d // h) for w in ("wq", "wk", "wv"))
-  a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // h), axis=-1)
-  x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, s, d) @ p["wo"]
-  return x + jnp.maximum(x @ p["w1"], 0) @ p["w2"]
-
-
-def _plain_step(params, x):
-  """A plain-JAX transformer, its layers under one `lax.scan`, one SGD step."""
-  def loss(params, x):
-    return jnp.mean(jax.lax.scan(lambda h, p: (_plain_block(h, p), None), x, params)[0] ** 2)
-  value, grads = jax.value_and_grad(loss)(params, x)
-  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
-
-
 @functools.lru_cache(maxsize=None)
 def scanned(name):
   """(step, abstract args, concrete args) of a scanned stack."""
@@ -120,7 +103,7 @@ def scanned(name):
   params = {k: 0.3 * jax.random.normal(key, (SCAN_LAYERS,) + s) / np.sqrt(s[0])
             for key, (k, s) in zip(keys, shapes.items())}
   args = (params, jax.random.normal(keys[-1], (c["batch"], c["seq"], d)))
-  return _plain_step, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+  return styles.plain_scan_step, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                    args), args
 
 

@@ -18,6 +18,7 @@ import tapas_jax as tapas
 from tapas_jax import api, baselines, cost, fold, measure, models, plan_file, solver, trace
 from tapas_jax.solver import memory, remat
 from tapas_jax.solver.problem import build_problem
+import styles  # tests/styles.py: train steps in common library styles
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = {"data": 2, "model": 4}
@@ -363,23 +364,6 @@ def trace_problem(g):
 _SCAN = dict(layers=8, batch=16, seq=64, width=32, heads=4, hidden=64)
 
 
-def _block(x, p):
-  b, s, d = x.shape
-  h = _SCAN["heads"]
-  q, k, v = ((x @ p[w]).reshape(b, s, h, d // h) for w in ("wq", "wk", "wv"))
-  a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // h), axis=-1)
-  x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, s, d) @ p["wo"]
-  return x + jnp.maximum(x @ p["w1"], 0) @ p["w2"]
-
-
-def _plain_scan_step(params, x):
-  """A plain-JAX transformer, its layers under one `lax.scan`, one SGD step."""
-  def loss(params, x):
-    return jnp.mean(jax.lax.scan(lambda h, p: (_block(h, p), None), x, params)[0] ** 2)
-  value, grads = jax.value_and_grad(loss)(params, x)
-  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
-
-
 @functools.lru_cache(maxsize=None)
 def _scanned(kind):
   """(step, abstract args, concrete args) of a scanned stack."""
@@ -398,7 +382,7 @@ def _scanned(kind):
             for key, (k, s) in zip(keys, shapes.items())}
   x = jax.random.normal(keys[-1], (c["batch"], c["seq"], d))
   args = (params, x)
-  return _plain_scan_step, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+  return styles.plain_scan_step, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                         args), args
 
 

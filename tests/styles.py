@@ -650,6 +650,24 @@ STYLES: dict[str, Callable[[int], Program]] = {
 }
 
 
+def plain_block(x, p, heads: int = 4):
+  """One pre-norm-free transformer block in plain JAX: attention, then a ReLU MLP."""
+  b, s, d = x.shape
+  q, k, v = ((x @ p[w]).reshape(b, s, heads, d // heads) for w in ("wq", "wk", "wv"))
+  a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads), axis=-1)
+  x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, s, d) @ p["wo"]
+  return x + jnp.maximum(x @ p["w1"], 0) @ p["w2"]
+
+
+def plain_scan_step(params, x):
+  """A plain-JAX transformer, its layers under one `lax.scan`, one SGD step (the
+  stacked-parameter style budget_test and remat_test plan)."""
+  def loss(params, x):
+    return jnp.mean(jax.lax.scan(lambda h, p: (plain_block(h, p), None), x, params)[0] ** 2)
+  value, grads = jax.value_and_grad(loss)(params, x)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
 def main(argv: list[str]) -> None:
   """Prints, per style and depth, how the train step folds (and with --search, how long
   the search takes, the least of --repeat=N runs: the machine may be shared):

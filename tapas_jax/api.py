@@ -178,6 +178,7 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
       reachable and the tensors that dominate it. Raised before anything runs. With
       `verify`: no plan found compiled within the chip's memory; the message gives
       each round and by how much the leanest one failed.
+    TypeError: an unknown option, or `config=` with options as keywords.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -278,11 +278,7 @@ class Settings:
   mesh_axes: dict
   strategy: str
   plan_path: str | None
-  device: str | None
-  memory_budget: float | None
-  batch_axes: object
-  sequence_parallel: bool
-  verify: str | None
+  search: object  # a tapas_jax.options.SearchConfig: every search option, checked
   steps: int
   batch_size: int
   seed: int
@@ -317,17 +313,15 @@ def read_settings() -> Settings:
     raise LaunchError(f"--sequence_parallel: only the search (--strategy=tapas) chooses "
                       f"sequence parallelism; --strategy={_STRATEGY.value} is a fixed layout. "
                       f"Drop the flag or use --strategy=tapas")
-  batch_axes = "default"  # tapas.search's own default
-  if _BATCH_AXES.value == "any":
-    batch_axes = None
-  elif _BATCH_AXES.value:
+  batch_axes = None  # tapas.search's own default: any axis
+  if _BATCH_AXES.value and _BATCH_AXES.value != "any":
     batch_axes = tuple(a.strip() for a in _BATCH_AXES.value.split(","))
     unknown = [a for a in batch_axes if a not in mesh_axes]
     if unknown:
       raise LaunchError(f"--batch_axes={_BATCH_AXES.value}: {unknown} not in the mesh "
                         f"axes {list(mesh_axes)}")
+  from tapas_jax import options  # noqa: PLC0415 - a flag error needs no jax; none starts here
   if _VERIFY.value is not None:
-    from tapas_jax import options  # noqa: PLC0415
     try:
       options.topology(_VERIFY.value, "--verify", "verify")
     except ValueError as e:
@@ -342,11 +336,16 @@ def read_settings() -> Settings:
       cost.get_profile(_DEVICE.value)
     except ValueError as e:
       raise LaunchError(f"--device: {e}") from None
+  try:
+    search = options.SearchConfig(device=_DEVICE.value, memory_budget=budget,
+                                  batch_axes=batch_axes,
+                                  sequence_parallel=_SEQUENCE_PARALLEL.value,
+                                  verify=_VERIFY.value, where="train.py")
+  except ValueError as e:
+    raise LaunchError(str(e)) from None
   model = build_model(config)
   return Settings(config=config, model=model, mesh_axes=mesh_axes,
-                  strategy=strategy, plan_path=plan_path, device=_DEVICE.value,
-                  memory_budget=budget, batch_axes=batch_axes,
-                  sequence_parallel=_SEQUENCE_PARALLEL.value, verify=_VERIFY.value,
+                  strategy=strategy, plan_path=plan_path, search=search,
                   steps=steps,
                   batch_size=batch_size,
                   seed=config.seed if _SEED.value is None else _SEED.value,
@@ -396,12 +395,9 @@ def make_plan(settings: Settings, train_step, state_spec, batch_spec, mesh):
       return load_plan(settings.plan_path).bind(state_spec, batch_spec)
     if settings.strategy == "tapas":
       return tapas.search(train_step, state_spec, batch_spec, mesh=mesh,
-                          device=settings.device, memory_budget=settings.memory_budget,
-                          batch_axes=settings.batch_axes,
-                          sequence_parallel=settings.sequence_parallel,
-                          verify=settings.verify)
+                          config=settings.search)
     return baselines.baseline(_STRATEGIES[settings.strategy], train_step, state_spec,
-                              batch_spec, mesh=mesh, device=settings.device,
+                              batch_spec, mesh=mesh, device=settings.search.device,
                               family=settings.config.family)
   except (ValueError, ImportError) as e:  # an infeasible budget, no libtpu, ...
     raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None

@@ -28,6 +28,7 @@ from tapas_jax.apply import apply, place, remat_policy
 from tapas_jax.errors import TapasError
 from tapas_jax.fold import Folded
 from tapas_jax.mesh import MeshError, make_mesh
+from tapas_jax.options import SearchConfig, Solver
 from tapas_jax.plan import Plan, PlanStats
 from tapas_jax.shard import shard
 from tapas_jax.solver import InfeasibleBudgetError
@@ -46,6 +47,8 @@ __all__ = [
     "MeshError",
     "Plan",
     "PlanStats",
+    "SearchConfig",
+    "Solver",
     "TapasError",
     "TraceError",
     "Verified",

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import time
 import warnings
@@ -31,7 +32,10 @@ from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import solver as solverlib
 from tapas_jax import trace as tracelib
-from tapas_jax.verify import verify as verify_plan
+
+# The module, not the function the package exports under its name: `_verified` calls
+# `verifylib.verify` through it, so that a stand-in compiler can take its place in tests.
+verifylib = importlib.import_module("tapas_jax.verify")
 
 __all__ = ["HBM_HEADROOM", "VERIFY_ROUNDS", "Prepared", "SearchOptions", "baseline_figures",
            "default_budget", "prepare", "search"]
@@ -61,40 +65,37 @@ def default_device() -> str:
   return costlib.profile_for_kind(device.device_kind, device.platform)
 
 
-def prepare(fn, args: Sequence[Any], *, mesh, device: str | None,
-            batch_axes: Sequence[str] | None | str = options.DEFAULT, fold: bool = True,
-            links: Mapping[str, str] | None = None, kwargs: Mapping[str, Any] | None = None,
-            where: str = "search", sequence_parallel: bool = True) -> Prepared:
+def prepare(fn, args: Sequence[Any], *, mesh, kwargs: Mapping[str, Any] | None = None,
+            where: str = "search", config: options.SearchConfig | None = None,
+            **search_options: Any) -> Prepared:
   """Traces and folds `fn(*args, **kwargs)` and builds its problem on `mesh`.
 
-  Every option is checked before anything is traced (`tapas_jax.options`).
+  Every option is checked before anything is traced (`tapas_jax.options`). Of the
+  config, `device`, `batch_axes`, `fold`, `links` and `sequence_parallel` shape the
+  problem; the rest are the solver's.
 
   Args:
-    batch_axes: as for `search`.
-    fold: search the folded view (one copy per unique layer) or every op.
     kwargs: the step's keyword arguments.
     where: the entry point named in error messages.
-    sequence_parallel: as for `search`.
+    config: the search options as one `options.SearchConfig`; or
+    **search_options: the same as keywords, as for `search`.
   """
+  config = options.search_config(config, search_options, where)
   if not callable(fn):
     raise options.OptionError(f"{where}: fn must be callable, got {type(fn).__name__} "
                               f"({fn!r:.60}); pass the step first: {where}(fn, *args, ...)")
   axes = options.mesh_axes(mesh, where)
-  device = options.device(device, where)
-  fold = options.flag(fold, "fold", where)
-  sequence_parallel = options.flag(sequence_parallel, "sequence_parallel", where)
   kwargs = options.kwargs(kwargs, where)
-  batch_axes = options.batch_axes(batch_axes, axes, where)
-  profile = costlib.get_profile(device or default_device())
-  mesh_spec = costlib.mesh_spec(axes, profile, links)
-  if isinstance(batch_axes, str):
-    batch_axes = solverlib.default_batch_axes(mesh_spec)
+  # The names' form was checked with the config; here they meet the mesh.
+  batch_axes = options.batch_axes(config.batch_axes, axes, where)
+  profile = costlib.get_profile(config.device or default_device())
+  mesh_spec = costlib.mesh_spec(axes, profile, config.links_map)
   graph = tracelib.trace(fn, *args, kwargs=kwargs)
   folded = foldlib.fold(graph)
   start = time.perf_counter()
-  view = solverlib.folded_view(folded) if fold else solverlib.unfolded_view(graph)
+  view = solverlib.folded_view(folded) if config.fold else solverlib.unfolded_view(graph)
   problem = solverlib.build_problem(graph, mesh_spec, profile, batch_axes, view=view,
-                                    sequence_cuts=sequence_parallel)
+                                    sequence_cuts=config.sequence_parallel)
   return Prepared(graph=graph, folded=folded, problem=problem, mesh=mesh_spec,
                   prepare_s=time.perf_counter() - start)
 
@@ -110,13 +111,9 @@ def default_budget(profile: costlib.DeviceProfile) -> float:
   return profile.hbm_bytes * (1 - HBM_HEADROOM)
 
 
-def search(fn, *args, mesh, device: str | None = None,
-           memory_budget: float | str | None = None,
-           batch_axes: Sequence[str] | None | str = options.DEFAULT, fold: bool = True,
-           solver: str | None = None, links: Mapping[str, str] | None = None,
-           time_limit: float | None = None,
-           kwargs: Mapping[str, Any] | None = None,
-           sequence_parallel: bool = True, verify: str | None = None) -> planlib.Plan:
+def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
+           config: options.SearchConfig | None = None, **search_options: Any
+           ) -> planlib.Plan:
   """Traces, folds and searches a sharding plan for `fn(*args, **kwargs)`.
 
   Every option is checked before anything is traced; a bad one raises `ValueError`
@@ -127,6 +124,15 @@ def search(fn, *args, mesh, device: str | None = None,
     *args: its arguments: arrays or `jax.ShapeDtypeStruct` pytrees (nothing allocated).
     mesh: a `jax.sharding.Mesh` (Auto axes), an abstract mesh, or a dict of axis sizes
       (positive ints, e.g. `{"data": 2, "model": 4}`).
+    kwargs: the step's keyword arguments, as a dict (`search`'s own keywords such as
+      `mesh` would clash with the step's): `search(step, state, kwargs={"batch": b},
+      mesh=...)` plans `step(state, batch=b)`. The plan's `kwargs_specs` holds their
+      specs; keyword arguments count after the positional ones, in sorted name order,
+      so with `step(state, batch=b)` the batch is the last argument.
+    config: every option below at once, as an `options.SearchConfig` (the same checks,
+      made when it is built); with `config=`, no option may also be given as a
+      keyword (a `TypeError`: change a config with `dataclasses.replace`).
+    **search_options: the search options, each a field of `options.SearchConfig`:
     device: device profile name (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200,
       cpu); default: the `verify` topology's generation, else the local devices'
       (`device_kind`).
@@ -155,11 +161,6 @@ def search(fn, *args, mesh, device: str | None = None,
     links: mesh axis -> "intra" or "inter" link; default from the device profile.
     time_limit: seconds (positive) for the integer program; `plan.stats.solver_status`
       is "time_limit" when it was hit.
-    kwargs: the step's keyword arguments, as a dict (`search`'s own keywords such as
-      `mesh` would clash with the step's): `search(step, state, kwargs={"batch": b},
-      mesh=...)` plans `step(state, batch=b)`. The plan's `kwargs_specs` holds their
-      specs; keyword arguments count after the positional ones, in sorted name order,
-      so with `step(state, batch=b)` the batch is the last argument.
     sequence_parallel: also search Megatron's sequence parallelism (on by default): the
       residual stream (norms, residual adds) may split its sequence positions apart
       from the dots around it, gathered into them and reduce-scattered out of them,
@@ -181,6 +182,7 @@ def search(fn, *args, mesh, device: str | None = None,
       reachable and the tensors that dominate it. Raised before anything runs. With
       `verify`: no plan found compiled within the chip's memory; the message gives
       each round and by how much the leanest one failed.
+    TypeError: an unknown option, or `config=` with options as keywords.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -191,75 +193,65 @@ def search(fn, *args, mesh, device: str | None = None,
     >>> plan.in_specs
     (P(None, None), P('data', None))
   """
-  memory_budget = options.memory_bytes(memory_budget)
-  solver = options.solver(solver)
-  time_limit = options.time_limit(time_limit)
-  topology = options.topology(verify)
-  if topology is not None and device is None:
-    device = costlib.profile_for_topology(topology)  # the chip compiled for
-  prepared = prepare(fn, args, mesh=mesh, device=device, batch_axes=batch_axes, fold=fold,
-                     links=links, kwargs=kwargs, sequence_parallel=sequence_parallel)
+  config = options.search_config(config, search_options)
+  if config.verify is not None and config.device is None:
+    # The chip compiled for.
+    config = dataclasses.replace(config, device=costlib.profile_for_topology(config.verify))
+  prepared = prepare(fn, args, mesh=mesh, kwargs=kwargs, config=config)
   solverlib.warn_unsplittable(prepared.problem)
   solverlib.warn_batch_unsplit(prepared.problem)
-  budget = resolve_budget(memory_budget, prepared.problem.profile)
+  budget = resolve_budget(config.memory_budget, prepared.problem.profile)
   cache: dict = {}
 
   def solve(budget: float | None) -> planlib.Plan:
     start = time.perf_counter()
-    solution = _solve(prepared, budget, default=memory_budget is None, fold=fold,
-                      solver=solver, time_limit=time_limit, cache=cache)
+    solution = _solve(prepared, budget, config, cache=cache)
     search_s = prepared.prepare_s + time.perf_counter() - start
     return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
                              search_s=search_s, kwargs=kwargs,
                              baselines=baseline_figures(prepared.problem, cache))
 
   plan = solve(budget)
-  if topology is None:
+  if config.verify is None:
     return plan
-  return _verified(plan, solve, fn, args, kwargs, topology, budget, memory_budget)
+  return _verified(plan, solve, fn, args, kwargs, config, budget)
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-  """How `tapas.shard` searches: the arguments it passes on to `tapas.search`.
+  """How `tapas.shard` searches: the mesh and the config it passes on to `tapas.search`.
 
   Attributes:
     mesh: a `jax.sharding.Mesh` (Auto axes) or a dict of axis sizes; None: the
       `jax.set_mesh` context, else `tapas_jax.mesh.default_mesh()`.
-    device: device profile name; None: from the local platform.
-    memory_budget: per-device bytes the plan may take (see `tapas.search`).
-    batch_axes: as for `tapas.search` (default: any axis).
-    fold: search each unique layer once.
+    config: every other search option (`options.SearchConfig`; the batch may take any
+      axis by default).
   """
 
   mesh: Any = None
-  device: str | None = None
-  memory_budget: float | None = None
-  batch_axes: Any = "default"
-  fold: bool = True
+  config: options.SearchConfig = options.SearchConfig(where="shard")
 
   def search(self, fn, args: Sequence[Any], mesh: jax.sharding.Mesh) -> planlib.Plan:
     """`tapas.search` on `mesh` (whose axis names are labels: the batch may take any
     axis by default)."""
-    return search(fn, *args, mesh=mesh, device=self.device,
-                  memory_budget=self.memory_budget, batch_axes=self.batch_axes,
-                  fold=self.fold)
+    return search(fn, *args, mesh=mesh, config=self.config)
 
 
 # How many times `search(..., verify=...)` searches again under a lower budget.
 VERIFY_ROUNDS = 4
 
 
-def _solve(prepared: Prepared, budget: float | None, *, default: bool, fold: bool,
-           solver: str | None, time_limit: float | None, cache: dict):
+def _solve(prepared: Prepared, budget: float | None, config: options.SearchConfig, *,
+           cache: dict):
   """The solver's solution under `budget`; the default budget's error says it is one."""
   profile = prepared.problem.profile
   try:
-    return solverlib.solve(prepared.problem, reuse=fold, solver=solver_name(solver, fold),
-                           memory_budget=budget, time_limit=time_limit, table_cache=cache,
-                           folded=prepared.folded)
+    return solverlib.solve(prepared.problem, reuse=config.fold,
+                           solver=solver_name(config.solver, config.fold),
+                           memory_budget=budget, time_limit=config.time_limit,
+                           table_cache=cache, folded=prepared.folded)
   except solverlib.InfeasibleBudgetError as e:
-    if not default:
+    if config.memory_budget is not None:
       raise
     raise solverlib.InfeasibleBudgetError(
         f"{e} The budget is the default: {profile.name}'s "
@@ -268,17 +260,18 @@ def _solve(prepared: Prepared, budget: float | None, *, default: bool, fold: boo
         "no limit).", budget_bytes=e.budget_bytes, leanest_bytes=e.leanest_bytes) from None
 
 
-def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
-              budget: float | None, memory_budget: float | None) -> planlib.Plan:
-  """Compiles `plan` for `topology`; while the compiler's peak does not fit, searches
+def _verified(plan: planlib.Plan, solve, fn, args, kwargs, config: options.SearchConfig,
+              budget: float | None) -> planlib.Plan:
+  """Compiles `plan` for `config.verify`; while the compiler's peak does not fit, searches
   again under a budget lowered by what was missing (`VERIFY_ROUNDS` at most)."""
   fmt = options.format_bytes
+  topology, memory_budget = config.verify, config.memory_budget
   rounds: list[tuple[float, float, float]] = []
   notes: list[str] = []
   for k in range(VERIFY_ROUNDS):
     with warnings.catch_warnings():  # a step that returns no new state donates nothing
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      record = verify_plan(plan, fn, *args, topology=topology, donate_argnums=0,
+      record = verifylib.verify(plan, fn, *args, topology=topology, donate_argnums=0,
                            kwargs=kwargs)
     limit = min(record.hbm_bytes, memory_budget or math.inf)
     predicted = plan.stats.predicted_memory_bytes
@@ -322,23 +315,23 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, topology: str,
 
 def resolve_budget(memory_budget: float | None,
                    profile: costlib.DeviceProfile) -> float | None:
-  """The budget the solver gets: None (unlimited) for infinity, the device's by default.
+  """The budget the solver gets from a checked one (`options.memory_bytes`): None
+  (unlimited) for infinity, the device's by default.
 
-  Raises:
-    ValueError: a budget that is not a positive number of bytes.
+  Example:
+    >>> resolve_budget(float("inf"), costlib.get_profile("h100")) is None
+    True
   """
   if memory_budget is None:
     return default_budget(profile)
-  budget = float(memory_budget)
-  if not budget > 0:
-    raise ValueError(f"memory_budget={memory_budget!r}: give positive bytes per device, "
-                     "None for the device's memory, or float('inf') for no limit")
-  return None if budget == float("inf") else budget
+  return None if memory_budget == math.inf else memory_budget
 
 
-def solver_name(name: str | None, fold: bool) -> str:
+def solver_name(name: options.Solver | None, fold: bool) -> options.Solver:
   """The solver to use: as named, or the default for the view."""
-  return name if name is not None else ("elimination" if fold else "ilp")
+  if name is not None:
+    return name
+  return options.Solver.ELIMINATION if fold else options.Solver.ILP
 
 
 def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None

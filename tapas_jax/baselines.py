@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import warnings
@@ -78,27 +79,29 @@ def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, .
   return {c: a for c, a in choice.items() if a}
 
 
-def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
-             family: str | None = None, batch_axes=None, links=None, kwargs=None,
-             remat: str | None = None):
+def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=None,
+             remat: str | None = None, config: options.SearchConfig | None = None,
+             **search_options: Any):
   """An expert plan for `fn(*args)`, costed like a searched one.
 
   Args:
     name: one of `BASELINES`.
     fn, *args: the program, as for `tapas_jax.search`.
     mesh: Mesh, abstract mesh or dict of axis sizes.
-    device: device profile name.
     family: zoo family name (needed by "megatron").
-    batch_axes: axes Megatron puts the batch on (default: the axes whose names do not
-      say they are meant for the model, `solver.problem.data_axes`);
-      data parallel and FSDP always use every axis.
-    links: mesh axis -> "intra"/"inter".
     kwargs: the step's keyword arguments, as for `tapas_jax.search`.
     remat: a `jax.checkpoint` policy (`solver.remat.POLICIES`: "everything_saveable",
       "dots_saveable", "nothing_saveable") for every unique layer with a backward, as
       expert recipes set one (MaxText's `remat_policy`: "full" is nothing_saveable,
       "minimal" saves the dots); costed as the search costs its own remat, and in
       `plan.remat` so that `tapas.apply` runs it. None: no remat.
+    config: the search options as one `options.SearchConfig`; or
+    **search_options: the same as keywords, as for `tapas_jax.search`. Of them a
+      baseline reads `device`, `links`, `fold`, `batch_axes` (the axes Megatron puts
+      the batch on; default: the axes whose names do not say they are meant for the
+      model, `solver.problem.data_axes`; data parallel and FSDP always use every
+      axis) and `memory_budget` (the limit it warns over; default: the device's
+      memory less headroom). The expert layouts need no solver and no sequence cuts.
 
   Raises:
     ValueError: unknown baseline name, family or remat policy, or a bad option (see
@@ -112,17 +115,19 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
   if name == "megatron" and family not in MEGATRON_SPLITS:
     raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
                      f"pass family= one of {', '.join(sorted(MEGATRON_SPLITS))}")
-  batch_axes = options.batch_axes(batch_axes, options.mesh_axes(mesh, "baseline"),
+  config = options.search_config(config, search_options, "baseline")
+  batch_axes = options.batch_axes(config.batch_axes, options.mesh_axes(mesh, "baseline"),
                                   "baseline")
   # The expert layouts name one layout per value dim: no sequence cuts to leave open.
-  prepared = api.prepare(fn, args, mesh=mesh, device=device, batch_axes=None, links=links,
-                         kwargs=kwargs, where="baseline", sequence_parallel=False)
+  prepared = api.prepare(fn, args, mesh=mesh, kwargs=kwargs, where="baseline",
+                         config=dataclasses.replace(config, batch_axes=None,
+                                                    sequence_parallel=False))
   start = time.perf_counter()
   problem, mesh_spec = prepared.problem, prepared.mesh
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
   layouts = None
   if name == "megatron":
-    if batch_axes is None or isinstance(batch_axes, str):
+    if batch_axes is None:
       batch_axes = solver.problem.data_axes(mesh_spec)
     choice = _megatron_choice(problem, family or "", tuple(batch_axes))
   else:
@@ -140,12 +145,13 @@ def baseline(name: str, fn, *args, mesh: Any, device: str | None = None,
                            search_s=prepared.prepare_s + time.perf_counter() - start,
                            name=name if not modes else f"{name}+{remat}",
                            input_layouts=layouts, kwargs=kwargs)
-  limit = api.default_budget(problem.profile)
-  if plan.stats.predicted_memory_bytes > limit:
+  limit = api.resolve_budget(config.memory_budget, problem.profile)
+  if limit is not None and plan.stats.predicted_memory_bytes > limit:
     # A baseline is a fixed layout to compare against, so it is returned, but it says
     # so before anything runs.
+    of = (f"{problem.profile.name}'s {limit / 2**30:.2f} GiB (device memory less "
+          f"{api.HBM_HEADROOM:.0%} headroom)" if config.memory_budget is None else
+          f"memory_budget={limit / 2**30:.2f} GiB")
     warnings.warn(f"baseline {name!r} takes {plan.stats.predicted_memory_bytes / 2**30:.2f} "
-                  f"GiB per device, over {problem.profile.name}'s {limit / 2**30:.2f} GiB "
-                  f"(device memory less {api.HBM_HEADROOM:.0%} headroom): it would not fit",
-                  stacklevel=2)
+                  f"GiB per device, over {of}: it would not fit", stacklevel=2)
   return plan

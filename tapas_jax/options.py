@@ -15,10 +15,14 @@ Example:
   (17179869184.0, 1500000000000.0)
   >>> options.batch_axes("data", {"data": 2, "model": 4})
   ('data',)
+  >>> options.SearchConfig(fold=False, memory_budget="1GiB").memory_budget
+  1073741824.0
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import numbers
 import re
@@ -30,16 +34,25 @@ from jax.sharding import AxisType
 from tapas_jax.errors import TapasError
 from tapas_jax.profiles import PROFILES
 
-__all__ = ["SOLVERS", "MeshError", "OptionError", "batch_axes", "check_auto", "device",
-           "donate_argnums", "flag", "format_bytes", "kwargs", "memory_bytes", "mesh_axes",
-           "solver", "time_limit", "topology"]
+__all__ = ["SEARCH_OPTIONS", "SOLVERS", "MeshError", "OptionError", "SearchConfig", "Solver",
+           "batch_axes", "check_auto", "device", "donate_argnums", "flag", "format_bytes",
+           "kwargs", "links", "memory_bytes", "mesh_axes", "search_config", "solver",
+           "time_limit", "topology"]
 
-# A caller that leaves `batch_axes` alone gets the axes with conventional batch names.
-DEFAULT = "default"
 
-# The solvers `tapas_jax.solver.solve` runs: variable elimination over the folded
-# view's layers, or the integer program over every op.
-SOLVERS = ("elimination", "ilp")
+class Solver(enum.StrEnum):
+  """The solvers `tapas_jax.solver.solve` runs: variable elimination over the folded
+  view's layers, or the integer program over every op. Each equals its name as a
+  string (`Solver.ILP == "ilp"`)."""
+
+  ELIMINATION = "elimination"
+  ILP = "ilp"
+
+
+SOLVERS = tuple(s.value for s in Solver)
+
+# What `batch_axes="default"` meant before None did (every axis): still read, as None.
+_OLD_DEFAULT = "default"
 
 _UNITS = {"": 1, "b": 1,
           "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -209,18 +222,19 @@ def topology(value: Any, where: str = "search", name: str = "verify") -> str | N
                     "(or None not to compile).")
 
 
-def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
-               ) -> tuple[str, ...] | None | str:
-  """One axis name, a sequence of them (each a mesh axis), None (any axis), or
-  `DEFAULT` (every axis: `solver.problem.default_batch_axes`).
+def batch_axes(value: Any, axes: Mapping[str, int] | None, where: str = "search"
+               ) -> tuple[str, ...] | None:
+  """One axis name, a sequence of them (each a mesh axis), or None (any axis).
 
-  A single string is one axis, never read letter by letter.
+  A single string is one axis, never read letter by letter; "default", where the mesh
+  has no axis of that name, is None (what older callers passed for every axis).
+  `axes` None (the mesh not known yet): the names are checked for their form only.
   """
   if value is None:
     return None
   if isinstance(value, str):
-    if value == DEFAULT and value not in axes:
-      return DEFAULT
+    if value == _OLD_DEFAULT and (axes is None or value not in axes):
+      return None
     names: Sequence[Any] = (value,)
   elif isinstance(value, (Sequence, set, frozenset)) and not isinstance(value, bytes):
     names = tuple(value)
@@ -229,9 +243,9 @@ def batch_axes(value: Any, axes: Mapping[str, int], where: str = "search"
                       "one mesh axis name ('data'), a sequence of them (('data', 'fsdp')) "
                       "or None for any axis.")
   for a in names:
-    if not isinstance(a, str) or a not in axes:
-      raise OptionError(f"{where}: batch_axes names {a!r}, which is not an axis of the "
-                        f"mesh {dict(axes)}; use some of {list(axes)}.")
+    if not isinstance(a, str) or (axes is not None and a not in axes):
+      known = "" if axes is None else f" of the mesh {dict(axes)}; use some of {list(axes)}"
+      raise OptionError(f"{where}: batch_axes names {a!r}, which is not an axis{known}.")
   if len(set(names)) != len(names):
     raise OptionError(f"{where}: batch_axes={value!r} names an axis twice.")
   return tuple(names)
@@ -245,10 +259,12 @@ def flag(value: Any, name: str, where: str = "search") -> bool:
                     "False.")
 
 
-def solver(value: Any, where: str = "search") -> str | None:
-  """None (the view's default) or one of `SOLVERS`."""
-  if value is None or value in SOLVERS:
-    return value
+def solver(value: Any, where: str = "search") -> Solver | None:
+  """None (the view's default) or a `Solver` (by its name: "elimination", "ilp")."""
+  if value is None:
+    return None
+  if isinstance(value, str) and value in SOLVERS:
+    return Solver(value)
   raise OptionError(f"{where}: solver={value!r} is not a solver; use one of "
                     f"{', '.join(map(repr, SOLVERS))} or None for the default.")
 
@@ -289,3 +305,111 @@ def donate_argnums(value: Any, num_args: int | None = None, where: str = "apply"
         raise OptionError(f"{where}: donate_argnums={value!r} names argument {n}, but the "
                           f"plan has {num_args} positional argument(s).")
   return tuple(int(n) for n in nums)
+
+
+def links(value: Any, where: str = "search") -> tuple[tuple[str, str], ...] | None:
+  """None (the device profile's links) or mesh axis -> "intra" / "inter", as sorted
+  (axis, link) pairs; the axes and link names are checked against the mesh where it
+  is built (`cost.mesh_spec`)."""
+  if value is None:
+    return None
+  # A tuple of pairs is what this returns: taken back unchanged.
+  items = list(value.items() if isinstance(value, Mapping) else
+               value if isinstance(value, tuple) else [None])
+  if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items):
+    raise OptionError(f"{where}: links={value!r:.80} is not a mapping of mesh axis names to "
+                      "'intra' or 'inter'; e.g. links={'data': 'inter', 'model': 'intra'}.")
+  return tuple(sorted(items))
+
+
+# `SearchConfig`'s fields: the options every search entry point takes by keyword.
+SEARCH_OPTIONS = ("device", "memory_budget", "batch_axes", "fold", "solver", "links",
+                  "time_limit", "sequence_parallel", "verify")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+  """Every option of a search, checked once when the config is made.
+
+  `tapas.search`, `api.prepare`, `baselines.baseline`, `@tapas.shard` and the
+  launcher take these as keywords or as one `config=`; each field means what the
+  keyword of the same name means for `tapas.search`. Made with values a parser would
+  refuse, it raises the same `OptionError` the keyword would.
+
+  Attributes:
+    device: a device profile name (or `DeviceProfile`); None: the local platform's,
+      or the `verify` topology's.
+    memory_budget: per-device bytes (a number, or a string such as "16GiB", stored as
+      bytes); None: the device's memory less headroom; `float("inf")`: no limit.
+    batch_axes: the mesh axes that may split the batch, as a tuple; None: any axis.
+    fold: search each unique layer once (the folded view) or every op.
+    solver: a `Solver`; None: elimination when folded, the integer program when not.
+    links: (mesh axis, "intra" or "inter") pairs; None: from the device profile.
+    time_limit: seconds for the integer program; None: no limit.
+    sequence_parallel: also search Megatron's sequence parallelism.
+    verify: a TPU topology to compile the plan for ("v5p:2x2x1"); None: no compile.
+    where: the entry point error messages name (not compared).
+
+  Example:
+    >>> c = SearchConfig(batch_axes="data", solver="ilp", links={"data": "inter"})
+    >>> c.batch_axes, c.solver is Solver.ILP, c.links
+    (('data',), True, (('data', 'inter'),))
+  """
+
+  device: Any = None
+  memory_budget: float | None = None
+  batch_axes: tuple[str, ...] | None = None
+  fold: bool = True
+  solver: Solver | None = None
+  links: tuple[tuple[str, str], ...] | None = None
+  time_limit: float | None = None
+  sequence_parallel: bool = True
+  verify: str | None = None
+  where: str = dataclasses.field(default="search", compare=False, repr=False)
+
+  def __post_init__(self):
+    # Each parser takes its own output unchanged, so `dataclasses.replace` re-checks
+    # only what it replaces, to the same values.
+    w = self.where
+    parsed = dict(device=device(self.device, w), memory_budget=memory_bytes(self.memory_budget, w),
+                  batch_axes=batch_axes(self.batch_axes, None, w), fold=flag(self.fold, "fold", w),
+                  solver=solver(self.solver, w), links=links(self.links, w),
+                  time_limit=time_limit(self.time_limit, w),
+                  sequence_parallel=flag(self.sequence_parallel, "sequence_parallel", w),
+                  verify=topology(self.verify, w))
+    for name, value in parsed.items():
+      object.__setattr__(self, name, value)
+
+  @property
+  def links_map(self) -> dict[str, str] | None:
+    """`links` as the mapping `cost.mesh_spec` takes."""
+    return None if self.links is None else dict(self.links)
+
+
+def search_config(config: SearchConfig | None, given: Mapping[str, Any],
+                  where: str = "search") -> SearchConfig:
+  """The config of a call that takes `config=` or the options as keywords (`given`).
+
+  Raises:
+    TypeError: an unknown option, or `config=` and keywords together (which would win
+      is a guess either way: change the config with `dataclasses.replace` instead).
+    OptionError: a bad value (see `SearchConfig`).
+
+  Example:
+    >>> search_config(None, {"fold": False}).fold
+    False
+  """
+  unknown = sorted(set(given) - set(SEARCH_OPTIONS))
+  if unknown:
+    raise TypeError(f"{where}: unknown option(s) {unknown}; the search options are "
+                    f"{', '.join(SEARCH_OPTIONS)}")
+  if config is None:
+    return SearchConfig(**given, where=where)
+  if not isinstance(config, SearchConfig):
+    raise TypeError(f"{where}: config={config!r:.80} is a {type(config).__name__}; pass a "
+                    "tapas_jax.options.SearchConfig")
+  if given:
+    raise TypeError(f"{where}: pass the search options either as keywords or as config=, "
+                    f"not both (got config= and {', '.join(sorted(given))}=); use "
+                    "dataclasses.replace(config, ...) to change a config")
+  return config

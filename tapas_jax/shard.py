@@ -38,6 +38,7 @@ from tapas_jax.api import SearchOptions
 from tapas_jax.apply import apply as apply_plan
 from tapas_jax.apply import place_as_planned
 from tapas_jax.mesh import default_mesh, resolve_mesh
+from tapas_jax.options import SEARCH_OPTIONS, SearchConfig, search_config
 
 __all__ = ["SearchOptions", "ShardedFunction", "default_mesh", "place_as_planned",
            "resolve_mesh", "shard"]
@@ -47,18 +48,22 @@ _FUNCTION_OPTIONS = ("static_argnums", "static_argnames", "donate_argnums", "don
 _MODULE_OPTIONS = ("loss_fn", "optimizer", "example_inputs")
 
 
-def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
-          memory_budget: float | None = None, batch_axes: Any = "default",
-          fold: bool = True, **options: Any) -> Any:
+def shard(target: Any = None, /, *, mesh: Any = None, config: SearchConfig | None = None,
+          **options: Any) -> Any:
   """Shards a function or a flax module class by a plan searched on first use.
 
   Usable bare (`@tapas.shard`) or with options (`@tapas.shard(mesh=..., ...)`).
 
   Args:
     target: a function, a `flax.linen.Module` subclass or a `flax.nnx.Module` subclass.
-    mesh, device, memory_budget, batch_axes, fold: how to search (`SearchOptions`).
-    **options: for a function: `static_argnums`, `static_argnames`, `donate_argnums`,
-      `donate_argnames`, as for `jax.jit`. For a module class: `loss_fn`, `optimizer`
+    mesh: the mesh to search and run on (`SearchOptions.mesh`); None: the
+      `jax.set_mesh` context, else `default_mesh()`.
+    config: how to search, as one `tapas_jax.options.SearchConfig`; or
+    **options: every search option of `tapas.search` by keyword (`device`,
+      `memory_budget`, `batch_axes`, `fold`, `solver`, `links`, `time_limit`,
+      `sequence_parallel`, `verify`), not together with `config=`; and for a function:
+      `static_argnums`, `static_argnames`, `donate_argnums`, `donate_argnames`, as for
+      `jax.jit`. For a module class: `loss_fn`, `optimizer`
       and (nnx, required there) `example_inputs`; see `tapas_jax.shard_flax`.
 
   Returns:
@@ -68,6 +73,7 @@ def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
 
   Raises:
     TypeError: `target` is neither, or an option does not apply to it.
+    OptionError: a search option has a bad value (checked here, not at the first call).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -80,8 +86,8 @@ def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
   """
   if mesh is not None:
     resolve_mesh(mesh)  # a wrong mesh fails here, not at the first call
-  search = SearchOptions(mesh=mesh, device=device, memory_budget=memory_budget,
-                         batch_axes=batch_axes, fold=fold)
+  given = {k: options.pop(k) for k in SEARCH_OPTIONS if k in options}
+  search = SearchOptions(mesh=mesh, config=search_config(config, given, "shard"))
   if target is None:
     return functools.partial(_shard, search=search, options=options)
   return _shard(target, search=search, options=options)
@@ -90,8 +96,8 @@ def shard(target: Any = None, /, *, mesh: Any = None, device: str | None = None,
 def _shard(target: Any, *, search: SearchOptions, options: Mapping[str, Any]) -> Any:
   unknown = sorted(set(options) - set(_FUNCTION_OPTIONS) - set(_MODULE_OPTIONS))
   if unknown:
-    raise TypeError(f"shard: unknown option(s) {unknown}; options are mesh, device, "
-                    f"memory_budget, batch_axes, fold, and for functions "
+    raise TypeError(f"shard: unknown option(s) {unknown}; options are mesh, config, "
+                    f"{', '.join(SEARCH_OPTIONS)}, and for functions "
                     f"{', '.join(_FUNCTION_OPTIONS)}, for module classes "
                     f"{', '.join(_MODULE_OPTIONS)}")
   if isinstance(target, type):

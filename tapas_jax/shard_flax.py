@@ -377,7 +377,7 @@ def shard_linen(cls: type, search: SearchOptions, *, loss_fn: Callable | None = 
       plan = self.plan_for(variables, *inputs, **kwargs)
       return forward_plan(plan, self._forward(kwargs, mutable),
                           *_split_collections(_abstract(variables)), _abstract(inputs),
-                          fold=search.fold)
+                          fold=search.config.fold)
 
   Sharded.__name__, Sharded.__qualname__ = cls.__name__, cls.__qualname__
   Sharded.__module__, Sharded.__doc__ = cls.__module__, cls.__doc__
@@ -453,7 +453,7 @@ def shard_nnx(cls: type, search: SearchOptions, *, loss_fn: Callable | None = No
     key = (id(plan), _static(kwargs))  # plans live in `cache`: ids stay theirs
     if key not in forwards:
       fwd = forward_plan(plan, forward, _abstract(params), _abstract(rest),
-                         _abstract(inputs), fold=search.fold)
+                         _abstract(inputs), fold=search.config.fold)
       forwards[key] = (fwd, apply_plan(fwd, forward, mesh=plan.mesh))
     return (plan, *forwards[key])
 

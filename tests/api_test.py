@@ -14,7 +14,7 @@ import pytest
 import tapas_jax as tapas
 import tapas_jax.fold
 import tapas_jax.trace
-from tapas_jax import options
+from tapas_jax import baselines, options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
       "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
-      "TapasError", "TraceError", "Verified", "apply", "fold", "make_mesh", "models", "place",
-      "remat_policy", "search", "shard", "trace", "verify"]
+      "SearchConfig", "Solver", "TapasError", "TraceError", "Verified", "apply", "fold",
+      "make_mesh", "models", "place", "remat_policy", "search", "shard", "trace", "verify"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 
@@ -161,7 +161,7 @@ def test_memory_sizes_count_decimal_and_binary_units(text, expected):
 
 @pytest.mark.parametrize("value,expected", [
     ("data", ("data",)), (["data", "model"], ("data", "model")), (None, None),
-    ((), ()), ("default", "default")])
+    ((), ()), ("default", None)])
 def test_batch_axes_take_one_name_or_a_sequence(value, expected):
   assert options.batch_axes(value, {"data": 2, "model": 4}) == expected
 
@@ -252,3 +252,75 @@ def test_an_infeasible_budget_prints_sizes_that_show_the_difference():
   assert "memory_budget=102.40 KiB per device" in str(e.value)
   assert "GiB" not in str(e.value).split("Largest inputs")[0]
   assert options.format_bytes(0.71 * 2**20) == "727.04 KiB"
+
+
+# -- one search config ---------------------------------------------------------------
+
+# The options a config holds, bad: the mesh's own checks (axis names) wait for the mesh.
+BAD_CONFIG_OPTIONS = [(bad, error, message) for bad, error, message in BAD_SEARCH_OPTIONS
+                      if set(bad) <= set(options.SEARCH_OPTIONS) and "links" not in bad
+                      and "pipe" not in str(bad) and "which is not an axis" not in message]
+
+
+@pytest.mark.parametrize("bad,error,message", BAD_CONFIG_OPTIONS,
+                         ids=[repr(b)[:40] for b, _, _ in BAD_CONFIG_OPTIONS])
+def test_config_checks_each_option_as_the_keyword_does(bad, error, message):
+  with pytest.raises(error, match=message):
+    tapas.SearchConfig(**bad)
+  with pytest.raises(error, match=message):
+    tapas.shard(lambda w, x: jnp.sum(x @ w), **bad)  # when decorated, not at the first call
+
+
+def test_config_holds_checked_values_and_replace_checks_again():
+  c = tapas.SearchConfig(memory_budget="1GiB", batch_axes="data", solver="ilp",
+                         links={"model": "intra", "data": "inter"}, time_limit=5)
+  assert (c.memory_budget, c.batch_axes, c.solver, c.links, c.time_limit) == (
+      2.0**30, ("data",), tapas.Solver.ILP, (("data", "inter"), ("model", "intra")), 5.0)
+  assert dataclasses.replace(c, memory_budget="2GiB").memory_budget == 2.0**31
+  assert dataclasses.replace(c, fold=False) == tapas.SearchConfig(**{
+      **{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, "fold": False})
+  with pytest.raises(options.OptionError, match="time_limit=-1"):
+    dataclasses.replace(c, time_limit=-1)
+  assert hash(c) == hash(dataclasses.replace(c))
+  # What older callers passed for every axis is None, said in one place.
+  assert tapas.SearchConfig(batch_axes="default").batch_axes is None
+
+
+def test_search_with_config_plans_as_with_keywords():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  big = (jax.ShapeDtypeStruct((512, 512), jnp.float32),
+         jax.ShapeDtypeStruct((4096, 512), jnp.float32))
+  keywords = dict(device="h100", memory_budget="6MiB", batch_axes=("data",), fold=False,
+                  solver="elimination", sequence_parallel=False)
+  a = tapas.search(f, *big, mesh={"data": 2, "model": 4}, **keywords)
+  b = tapas.search(f, *big, mesh={"data": 2, "model": 4},
+                   config=tapas.SearchConfig(**keywords))
+  assert a.in_specs == b.in_specs and a.stats == dataclasses.replace(
+      b.stats, trace_s=a.stats.trace_s, fold_s=a.stats.fold_s, search_s=a.stats.search_s)
+  assert a.stats.predicted_memory_bytes <= 6 * 2**20
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda f: tapas.search(f, W, X, config=tapas.SearchConfig(), fold=False, **GOOD),
+     r"either as keywords or as config=, not both \(got config= and device, fold="),
+    (lambda f: tapas.search(f, W, X, folds=False, **GOOD), r"unknown option\(s\) \['folds'\]"),
+    (lambda f: tapas.search(f, W, X, config={"fold": False}, **GOOD),
+     "config=.* is a dict; pass a tapas_jax.options.SearchConfig"),
+    (lambda f: tapas.shard(f, config=tapas.SearchConfig(), device="cpu"), "not both"),
+    (lambda f: tapas.shard(f, solvers="ilp"), r"unknown option\(s\) \['solvers'\]"),
+])
+def test_config_and_keywords_together_is_an_error(call, message):
+  with pytest.raises(TypeError, match=message):
+    call(lambda w, x: jnp.sum(x @ w))
+
+
+def test_baseline_takes_a_config():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  a = baselines.baseline("fsdp", f, W, X, mesh={"data": 8}, device="h100")
+  b = baselines.baseline("fsdp", f, W, X, mesh={"data": 8},
+                         config=tapas.SearchConfig(device="h100"))
+  assert a.in_specs == b.in_specs
+  assert a.stats.predicted_step_s == b.stats.predicted_step_s
+  with pytest.warns(UserWarning, match="over memory_budget="):
+    baselines.baseline("data_parallel", f, W, X, mesh={"data": 8}, device="h100",
+                       memory_budget=100)

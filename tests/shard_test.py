@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tapas_jax as tapas
-from tapas_jax import api, models, shard_flax
+from tapas_jax import api, models, shard_flax, solver
 from tapas_jax.models import gpt_nnx
 from tapas_jax.shard import default_mesh
 
@@ -110,6 +110,36 @@ def test_lower_compiles_the_planned_program():
     assert g.is_equivalent_to(s, len(a.shape)), (g, s)
   assert any(s != P() and any(s) for s in jax.tree.leaves(
       plan.in_specs, is_leaf=lambda s: isinstance(s, P))), "something is split"
+
+
+def test_every_search_option_reaches_the_search(monkeypatch):
+  seen = {}
+  real_build, real_solve = solver.build_problem, solver.solve
+
+  def build(graph, mesh, profile, batch_axes, **kw):
+    seen.update(batch_axes=batch_axes, links=mesh.axis_links, device=profile.name,
+                sequence_cuts=kw["sequence_cuts"],
+                unfolded=kw["view"] == solver.unfolded_view(graph))
+    return real_build(graph, mesh, profile, batch_axes, **kw)
+
+  def solve(problem, **kw):
+    seen.update({k: kw[k] for k in ("reuse", "solver", "time_limit", "memory_budget")})
+    return real_solve(problem, **kw)
+
+  monkeypatch.setattr(solver, "build_problem", build)
+  monkeypatch.setattr(solver, "solve", solve)
+  step = tapas.shard(sgd_step, mesh=MESH, device="h100", memory_budget="1GiB",
+                     batch_axes="data", fold=False, solver="ilp", time_limit=30.0,
+                     links={"data": "inter", "model": "intra"}, sequence_parallel=False)
+  w, x = weights(jax.random.key(0)), jax.random.normal(jax.random.key(1), (32, 64))
+  got = step(w, x)
+  assert seen == dict(batch_axes=("data",), links=("inter", "intra"), device="h100",
+                      sequence_cuts=False, unfolded=True, reuse=False, solver="ilp",
+                      time_limit=30.0, memory_budget=2.0**30)
+  assert step.plan.stats.solver_status == "optimal"
+  want = sgd_step(w, x)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_mesh_from_context_else_default(searches):

@@ -94,7 +94,7 @@ def comm():
     m = models.get_model("llama", "tiny", num_layers=4, scan_layers=scan,
                          attention="chunked", attention_chunk=16)
     args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
-    for name in ("fsdp", "megatron"):
+    for name in ("data_parallel", "fsdp", "megatron"):
       plan = baselines.baseline(name, *args, mesh=MESH, device="h100", family="llama")
       step = tapas.apply(plan, args[0], mesh=tapas.make_mesh(MESH), donate_argnums=0)
       sent = measure.measure(step.lower(*args[1:]).compile(), 8).comm_bytes["total"]

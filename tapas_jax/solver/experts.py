@@ -127,6 +127,17 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
     else:
       layouts[v] = costlib.Layout(tuple(axes if d == k else ()
                                         for d in range(len(problem.graph.types[v].shape))))
+  for _, outer, _, read in problem.scan_cuts:
+    # A scanned stack's gradient, made one layer per iteration: written into the stack
+    # split as its parameter is stored (each layer reduce-scattered in the loop), not
+    # whole on every device. Its classes are the compute's only through the pointwise
+    # ops that lead it into the update (`Problem.scan_cuts`), which then run split too.
+    shape = problem.graph.types[outer].shape
+    dims = [d for d in sorted(range(1, len(shape)), key=lambda d: -shape[d])
+            if shape[d] % n == 0] if not read else []
+    c = problem.vclass(outer, dims[0]) if dims else None
+    if c is not None and c not in twice and axes in problem.domains[c]:
+      choice.setdefault(c, axes)
   return choice, layouts
 
 

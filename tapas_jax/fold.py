@@ -43,8 +43,8 @@ from typing import Sequence
 
 
 from tapas_jax import _jax_internals as jx
-from tapas_jax.repeats import (ACCUMULATE, CONTRACTIONS, contracts, loop_trip,
-                               segment_by_structure)
+from tapas_jax import rules as ruleslib
+from tapas_jax.repeats import ACCUMULATE, contracts, loop_trip, segment_by_structure
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -293,18 +293,18 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   return layers, glue
 
 
-# Params that place a slice (or its transpose, a pad) in its operand. Blocks over one
-# stacked parameter (`stacked[i]`) differ only in them: the same computation on another
-# slice, so the same sharding.
-_OFFSET_PARAMS = {"slice": ("start_indices", "limit_indices"), "pad": ("padding_config",)}
 
 def _offset_blind(graph: Graph) -> dict[int, str]:
   """Op index -> signature blind to where a slice or pad sits (sizes kept), for the
-  slices and pads of `graph`; other ops keep `Op.signature`."""
+  slices and pads of `graph`; other ops keep `Op.signature`.
+
+  The params that place a slice (or its transpose, a pad) in its operand are the
+  primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
+  differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
   for op in graph.ops:
-    drop = _OFFSET_PARAMS.get(op.primitive)
-    if drop is None:
+    drop = ruleslib.facts(op.primitive).offset_params
+    if not drop:
       continue
     params = [(k, v) for k, v in op.params if k not in drop]
     if op.primitive == "pad":  # only how much each dim grows, not on which side
@@ -325,7 +325,7 @@ def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
   (chunked attention, a `fori_loop`) runs once per instance, however many times the
   loop inside it turns.
   """
-  if any(graph.ops[i].primitive in CONTRACTIONS for i in ops):
+  if any(ruleslib.facts(graph.ops[i].primitive).contracts for i in ops):
     return 1
   return max((loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
 

@@ -179,43 +179,8 @@ class Folded:
 
 # -- name stacks -----------------------------------------------------------------
 
-_WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
-
-
-def scope_of(name_stack: str) -> tuple[str, ...]:
-  """Module path of a name stack, transforms and JAX's own scopes stripped.
-
-  The backward of a rematerialised block (`nn.remat`, `jax.checkpoint`) sits under its
-  call's stack twice, once transposed ("transpose(jvp(GPT))/jvp(GPT)/Block_1"), and
-  its recomputed forward also under "rematted_computation": both are the block's path.
-
-  >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
-  ('GPT', 'Block_1', 'MLP', 'fc2')
-  >>> scope_of("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/Block_1/MLP")
-  ('GPT', 'Block_1', 'MLP')
-  """
-  parts, wrapped = [], []
-  for comp in name_stack.split("/"):
-    was_wrapped = False
-    while (m := _WRAPPER.match(comp)) is not None:
-      comp, was_wrapped = m.group(1), True
-    if comp and comp not in jx.GENERATED_SCOPES:
-      parts.append(comp)
-      wrapped.append(was_wrapped)
-  return tuple(_drop_reentry(parts, wrapped))
-
-
-def _drop_reentry(parts: list[str], wrapped: list[bool]) -> list[str]:
-  """Drops a copy of the path's own prefix that restarts at a transformed component
-  (a transform wrapper mid-stack only comes from a call re-entering its stack)."""
-  k = 1
-  while 2 * k <= len(parts):
-    if wrapped[k] and parts[k:2 * k] == parts[:k]:
-      del parts[k:2 * k], wrapped[k:2 * k]
-      k = 1
-    else:
-      k += 1
-  return parts
+# A name stack's module path (its syntax is JAX's: parsed in `_jax_internals`).
+scope_of = jx.scope_of
 
 
 class _ScopeTree:
@@ -223,23 +188,25 @@ class _ScopeTree:
 
   def __init__(self, graph: Graph, ops: Sequence[Op]):
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
-    self.forward: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
     for op in ops:
       scope = _op_scope(graph, op)
       if loop_trip(graph, op):
         self.loops.add(scope)
-      # Layer identity is decided on forward ops: backward ops of the first and last
-      # copies differ by where shared cotangents get summed.
-      is_forward = "transpose(" not in op.name_stack
+      # Layer identity is decided on the ops that are not transposed (the forward, and
+      # any op outside differentiation: `jx.is_primal` would drop a layer applied with
+      # no gradient): backward ops of the first and last copies differ by where shared
+      # cotangents get summed.
+      untransposed = not jx.is_transposed(op.name_stack)
       for d in range(len(scope) + 1):
         prefix = scope[:d]
         if d and not self.subtree[prefix]:
           self.children[scope[:d - 1]].append(scope[d - 1])
         self.subtree[prefix].append(op.index)
-        if is_forward:
-          self.forward[prefix].append(op.index)
+        if untransposed:
+          self.untransposed[prefix].append(op.index)
 
 
 
@@ -272,7 +239,7 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
 
   def visit(node):
     kids = [node + (c,) for c in tree.children[node]]
-    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]],
+    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.untransposed[k] or tree.subtree[k]],
                                    signature=blind)
            for k in kids if contracts(graph, tree.subtree[k])}
     counts = collections.Counter(fps.values())

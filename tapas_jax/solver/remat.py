@@ -82,13 +82,15 @@ MAX_COMBINATIONS = 9
 
 
 def is_forward(op: Op) -> bool:
-  """A primal op of a differentiated program (JAX names it `jvp(...)`)."""
-  return "jvp(" in op.name_stack and "transpose(" not in op.name_stack
+  """A primal op of a differentiated program (JAX names it `jvp(...)`): what a remat
+  recomputes. Not fold's test (`not jx.is_transposed`), which also takes the ops
+  outside differentiation (the optimizer update), never recomputed."""
+  return jx.is_primal(op.name_stack)
 
 
 def is_backward(op: Op) -> bool:
   """A transposed (backward) op of a differentiated program."""
-  return "transpose(" in op.name_stack
+  return jx.is_transposed(op.name_stack)
 
 
 @dataclasses.dataclass(frozen=True)

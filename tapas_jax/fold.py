@@ -47,7 +47,7 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.repeats import ACCUMULATE, contracts, loop_trip, segment_by_structure
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
-__all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
+__all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
 
 # Below this share of ops in layers found by names, structure is tried too, and it
 # takes over when its fold ratio beats the names' by this factor.
@@ -109,15 +109,6 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class Boundary:
-  """Values passed between two consecutive instances, in either direction."""
-
-  src: int
-  dst: int
-  values: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Folded:
   """The output of `fold`.
 
@@ -126,7 +117,6 @@ class Folded:
     unique_layers: the layers to search, in order of first appearance.
     instances: every layer instance, in program order.
     glue: the non-repeated segments.
-    boundaries: values between consecutive instances (for the chain DP).
     method: "names" or "structure": how instances were found.
     fold_s: seconds `fold` took.
   """
@@ -135,7 +125,6 @@ class Folded:
   unique_layers: tuple[UniqueLayer, ...]
   instances: tuple[LayerInstance, ...]
   glue: tuple[Segment, ...]
-  boundaries: tuple[Boundary, ...]
   method: str
   fold_s: float
 
@@ -474,7 +463,7 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
     use_names: try name stacks first; False forces structural detection.
 
   Returns:
-    `Folded`: unique layers, instances in program order, glue and boundaries.
+    `Folded`: unique layers, instances in program order, and glue.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -512,7 +501,7 @@ def _in_layers(folded: Folded) -> float:
 
 def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
             blind: dict[int, str]) -> Folded:
-  """Instances, unique layers, glue and boundaries from segmented scopes."""
+  """Instances, unique layers and glue from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
@@ -575,10 +564,5 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   if leftovers:
     glue_segments.append(Segment(name="", ops=tuple(leftovers)))
 
-  boundaries = []
-  for a, b in zip(instances, instances[1:]):
-    values = (set(a.outputs) & set(b.inputs)) | (set(b.outputs) & set(a.inputs))
-    boundaries.append(Boundary(src=a.index, dst=b.index, values=tuple(sorted(values))))
   return Folded(graph=graph, unique_layers=unique, instances=instances,
-                glue=tuple(glue_segments), boundaries=tuple(boundaries), method=method,
-                fold_s=time.perf_counter() - start)
+                glue=tuple(glue_segments), method=method, fold_s=time.perf_counter() - start)

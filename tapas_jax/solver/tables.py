@@ -38,7 +38,7 @@ from tapas_jax import cost as costlib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
-from tapas_jax.trace import Op
+from tapas_jax.trace import Op, TensorType
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
 
@@ -257,8 +257,10 @@ class TableBuilder:
     src_dims = self.fixed.get(v, src_dims)
     partial = self.partial_expr(v)  # None for inputs; reads through cuts skip `resolve`
     dst = self.p.reader_dims[(v, side)]
+    readers = [i for i in self.users.get(v, ()) if self.p.read_side(i, v) == side]
     return self._table(("cut",), [], 0.0, None,
-                       [(self.p.graph.types[v], src_dims, partial, dst)])
+                       [(self._sent_type(self.p.graph.types[v], readers), src_dims, partial,
+                         dst)])
 
   def scan_cut_table(self, outer: int, inner: int, read: bool) -> Table | None:
     """One iteration of a scan through a stacked-state cut (`Problem.scan_cuts`): the
@@ -272,12 +274,21 @@ class TableBuilder:
     stack = (costlib.Layout(fixed.dims[1:]) if fixed is not None
              else tuple(p.vclass(outer, d + 1) for d in range(rank)))
     if read:
-      edge = (g.types[inner], stack, None, tuple(p.value_class[(inner, d)]
-                                                  for d in range(rank)))
+      edge = (self._sent_type(g.types[inner], self.users.get(inner, ())), stack, None,
+              tuple(p.value_class[(inner, d)] for d in range(rank)))
     else:
       made, partial = self._src(inner)
       edge = (g.types[inner], made, None if self.users.get(inner) else partial, stack)
     return self._table(("scan cut",), [], 0.0, None, [edge])
+
+  def _sent_type(self, ttype: TensorType, readers) -> TensorType:
+    """The type a value is gathered in for these readers: bf16 for an f32 value read only
+    by dots at DEFAULT precision where the compiler runs those as one bf16 pass and
+    converts the operand before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`)."""
+    if (not self.p.profile.gathers_dot_operands_in_bf16 or ttype.dtype != "float32"
+        or not readers or not all(_default_dot(self.p.graph.ops[i]) for i in readers)):
+      return ttype
+    return dataclasses.replace(ttype, dtype="bfloat16")
 
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: list[int] = []
@@ -338,6 +349,17 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
+
+
+def _default_dot(op: Op) -> bool:
+  """A dot_general at DEFAULT precision (no `precision`, or DEFAULT for both operands)."""
+  if op.primitive != "dot_general":
+    return False
+  precision = op.raw_params.get("precision")
+  if precision is None:
+    return True
+  parts = precision if isinstance(precision, tuple | list) else (precision,)
+  return all(x is None or str(x).upper().endswith("DEFAULT") for x in parts)
 
 
 class _Grid:

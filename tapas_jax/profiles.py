@@ -102,6 +102,11 @@ class DeviceProfile:
       (`peak_flops_f32`) and converts the shard before the gather, half the bytes. The
       TPU compiler does (the same libtpu versions: FSDP's f32 kernels of the tiny zoo
       gathered as bf16, its f32 norm scales and embedding table as f32).
+    reassociates_all_reduces: whether the compiler adds partial sums before reducing
+      them, one all-reduce of the sum where each operand would have had its own (XLA's
+      all-reduce reassociation). The TPU compiler does (the same libtpu versions:
+      Megatron's backward sums the partial input gradients of q, k and v, of gate and
+      up, and a tied embedding's two gradients, then reduces once); XLA:CPU does not.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -127,6 +132,7 @@ class DeviceProfile:
   all_gather_as_all_reduce_above: float = math.inf
   reduce_scatter_as_all_reduce: bool = False
   gathers_dot_operands_in_bf16: bool = False
+  reassociates_all_reduces: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -139,7 +145,7 @@ class DeviceProfile:
 
 # How the TPU compiler lowers collectives (the fields' doc): one compiler, every generation.
 _TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all_reduce=True,
-                        gathers_dot_operands_in_bf16=True)
+                        gathers_dot_operands_in_bf16=True, reassociates_all_reduces=True)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -324,7 +330,7 @@ PROFILES: dict[str, DeviceProfile] = {
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
                     "combine_threshold_bytes", "dot_operand_fusion",
                     "all_gather_as_all_reduce_above", "reduce_scatter_as_all_reduce",
-                    "gathers_dot_operands_in_bf16")
+                    "gathers_dot_operands_in_bf16", "reassociates_all_reduces")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

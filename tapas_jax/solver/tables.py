@@ -117,9 +117,30 @@ class TableBuilder:
       rule = self.p.rules[op.index]
       classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
                               and self.p.classes[c].splittable}))
-      expr = ("r", classes) if classes else None
+      expr = ("r", classes) if classes else self._summed_partial(op)
     self._partial[v] = expr
     return expr
+
+  def _summed_partial(self, op: Op):
+    """A sum of partial values stays partial, reduced once after the add, where the
+    compiler reassociates the reductions (`DeviceProfile.reassociates_all_reduces`):
+    ("r", the operands' classes together); None otherwise."""
+    if not self.p.profile.reassociates_all_reduces or op.primitive not in _SUMS:
+      return None
+    g = self.p.graph
+    arrays = [x for x in op.inputs if x not in g.literals and g.types[x].shape]
+    exprs = [self.partial_expr(x) for x in arrays]
+    if len(arrays) < 2 or any(e is None for e in exprs):
+      return None
+    return ("r", tuple(sorted({c for e in exprs for c in e[1]})))
+
+  def absorbs_partial(self, op_index: int, v: int) -> bool:
+    """Whether op reads partial `v` as it is, its own result then partial (a sum the
+    compiler reduces once: `_summed_partial`)."""
+    op = self.p.graph.ops[op_index]
+    return (op.primitive in _SUMS and bool(op.outputs) and op.index == self.producer.get(
+        self.p.cv(op.outputs[0])) and self._summed_partial(op) is not None
+        and any(self.p.cv(x) == v for x in op.inputs))
 
   def _factor_class(self, op: Op, f: int) -> int:
     return self.p.factor_class[op.index][f]
@@ -232,7 +253,8 @@ class TableBuilder:
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None]
+    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None
+             and not self.absorbs_partial(c, v)]
     if not users and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
@@ -349,6 +371,10 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
+
+
+# Sums whose partial operands the compiler reduces once, after the sum.
+_SUMS = frozenset({"add", "add_any"})
 
 
 def _default_dot(op: Op) -> bool:

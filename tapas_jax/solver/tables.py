@@ -124,13 +124,16 @@ class TableBuilder:
   def _summed_partial(self, op: Op):
     """A sum of partial values stays partial, reduced once after the add, where the
     compiler reassociates the reductions (`DeviceProfile.reassociates_all_reduces`):
-    ("r", the operands' classes together); None otherwise."""
-    if not self.p.profile.reassociates_all_reduces or op.primitive not in _SUMS:
+    ("r", the operands' classes together); so does a partial value moved by a
+    transpose or reshape on its way to such a sum (a tied embedding's head gradient).
+    None otherwise."""
+    if not self.p.profile.reassociates_all_reduces or op.primitive not in _SUMS | _MOVES:
       return None
     g = self.p.graph
     arrays = [x for x in op.inputs if x not in g.literals and g.types[x].shape]
     exprs = [self.partial_expr(x) for x in arrays]
-    if len(arrays) < 2 or any(e is None for e in exprs):
+    wrong = len(arrays) != 1 if op.primitive in _MOVES else len(arrays) < 2
+    if wrong or any(e is None for e in exprs):
       return None
     return ("r", tuple(sorted({c for e in exprs for c in e[1]})))
 
@@ -138,7 +141,7 @@ class TableBuilder:
     """Whether op reads partial `v` as it is, its own result then partial (a sum the
     compiler reduces once: `_summed_partial`)."""
     op = self.p.graph.ops[op_index]
-    return (op.primitive in _SUMS and bool(op.outputs) and op.index == self.producer.get(
+    return (op.primitive in _SUMS | _MOVES and bool(op.outputs) and op.index == self.producer.get(
         self.p.cv(op.outputs[0])) and self._summed_partial(op) is not None
         and any(self.p.cv(x) == v for x in op.inputs))
 
@@ -375,6 +378,8 @@ class TableBuilder:
 
 # Sums whose partial operands the compiler reduces once, after the sum.
 _SUMS = frozenset({"add", "add_any"})
+# Ops that only move a value's elements: an all-reduce commutes with them.
+_MOVES = frozenset({"transpose", "reshape"})
 
 
 def _default_dot(op: Op) -> bool:

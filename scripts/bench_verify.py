@@ -34,11 +34,13 @@ from tapas_jax.verify import USABLE_HBM, tpu_mesh
 
 
 def _plan(layout, args, mesh, family, device):
-  """A searched plan ("tapas") or a baseline ("fsdp", "fsdp:nothing_saveable")."""
+  """A searched plan ("tapas", "tapas@2MiB" under that budget) or a baseline ("fsdp",
+  "fsdp:nothing_saveable")."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    if layout == "tapas":
-      return tapas.search(*args, mesh=mesh, device=device)
+    if layout.startswith("tapas"):  # "tapas@2MiB": under that budget
+      budget = layout.partition("@")[2] or None
+      return tapas.search(*args, mesh=mesh, device=device, memory_budget=budget)
     name, _, remat = layout.partition(":")
     return baselines.baseline(name, *args, mesh=mesh, family=family, device=device,
                               remat=remat or None)

@@ -64,7 +64,7 @@ def zoo(a, mesh):
       try:
         plan = _plan(layout, args, mesh, family, a.device)
       except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
-        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | |")
+        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | | |")
         continue
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")

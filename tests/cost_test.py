@@ -60,16 +60,18 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
                        p.reductions_duplicate, p.combine_threshold_bytes,
                        p.dot_operand_fusion, p.all_gather_as_all_reduce_above,
-                       p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16)
+                       p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16,
+                       p.reassociates_all_reduces)
   assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
-                                           False, False)
-  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True)
+                                           False, False, False)
+  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
                              dot_operand_fusion=True, all_gather_as_all_reduce_above=32,
                              reduce_scatter_as_all_reduce=True,
-                             gathers_dot_operands_in_bf16=True) == base
+                             gathers_dot_operands_in_bf16=True,
+                             reassociates_all_reduces=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 

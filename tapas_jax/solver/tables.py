@@ -84,16 +84,12 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
-    top = g.region_ops(0)
-    live = live_ops(g, top)
-    self.dead = {op.index for op in top} - live
-    self.unwritten = fused_values(g, top, live)  # values that never reach memory
-    for loop in problem.view.loops:  # a scan body fuses as the top level does
-      region = scan_region(g, g.ops[loop])
-      body = [op for op in g.ops if op.region == region.index]
-      live = live_ops(g, body, region.outputs)
-      self.dead |= {op.index for op in body} - live
-      self.unwritten |= fused_values(g, body, live, region.outputs)
+    key = ("fusion", id(g), id(problem.view))
+    hit = self.cache.get(key)
+    if hit is None or hit[0] is not g or hit[1] is not problem.view:
+      # The same for every builder over this program and view: built once per cache.
+      hit = self.cache[key] = (g, problem.view, *_dead_and_unwritten(problem))
+    self.dead, self.unwritten = hit[2], hit[3]
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
@@ -486,6 +482,23 @@ def mesh_dims(positions: Sequence[int | None],
     seen.update(entry)
     dims.append(entry)
   return tuple(dims)
+
+
+def _dead_and_unwritten(problem: Problem) -> tuple[frozenset[int], frozenset[int]]:
+  """(ops XLA removes, values that never reach memory) of the top level and of every
+  scan body the view searches (a body fuses as the top level does)."""
+  g = problem.graph
+  top = g.region_ops(0)
+  live = live_ops(g, top)
+  dead = {op.index for op in top} - live
+  unwritten = fused_values(g, top, live)
+  for loop in problem.view.loops:
+    region = scan_region(g, g.ops[loop])
+    body = [op for op in g.ops if op.region == region.index]
+    live = live_ops(g, body, region.outputs)
+    dead |= {op.index for op in body} - live
+    unwritten |= fused_values(g, body, live, region.outputs)
+  return frozenset(dead), frozenset(unwritten)
 
 
 def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:

@@ -417,13 +417,22 @@ def _constraints(problem: Problem, solution: Solution,
   """Where a cut value is read in another layout than it was made or stored in, the
   reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
   g, view = problem.graph, problem.view
-  spec = functools.partial(_spec, choice=solution.choice)
+  specs: dict[tuple, PartitionSpec] = {}  # copies of a layer read alike: one spec each
+
+  def spec(classes):
+    key = tuple(classes)
+    if key not in specs:
+      specs[key] = _spec(key, solution.choice)
+    return specs[key]
+
+  read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
+  top = g.region_ops(0)
   out = []
   # Contractions' results as planned, reduced where they are made: XLA propagates the
   # rest from these, and otherwise picks layouts of its own between them. A reader
   # through a cut gets the made layout first, then its own (below): XLA reduces the
   # result where it is made and reshards it, as the cut is priced.
-  for op in g.region_ops(0):
+  for op in top:
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
     tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
@@ -439,12 +448,12 @@ def _constraints(problem: Problem, solution: Solution,
       out += [Constraint(site=reader.site, slot=k, spec=made)
               for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
               if x == v]
-  for op in g.region_ops(0):
+  for op in top:
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
     for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      classes = problem.read_dims(rep, y)
+      classes = read_dims(rep, y)
       if classes is None or x in g.literals:
         continue
       want = spec(classes)

@@ -18,7 +18,7 @@ import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
-from tapas_jax.solver.fusion import fused_values, live_ops
+from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
 from tapas_jax.solver.tables import Table, evaluate_tables
@@ -129,8 +129,11 @@ class Activations:
     return tuple(seen), np.array(index, int)
 
 
-def activations(problem: Problem) -> Activations:
+def activations(problem: Problem, cache: dict | None = None) -> Activations:
   """The intermediates of the top-level program, as XLA keeps them.
+
+  `cache` (a search's table cache) shares the program's fusion with the cost tables
+  (`fusion.top_level`).
 
   * Values no output depends on are dropped (dead code).
   * A program output lives to the end, except the next value of carried state: the
@@ -170,15 +173,12 @@ def activations(problem: Problem) -> Activations:
   g = problem.graph
   top = g.region_ops(0)
   pos = {op.index: j for j, op in enumerate(top)}
-  live = live_ops(g, top)
+  live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
+                          dot_operands=problem.profile.dot_operand_fusion)
   end = len(top) - 1
   outputs = set(g.outputs)
   carried = {g.outputs[k] for k, _ in g.carried}
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
-
-  fused = fused_values(g, top, live,
-                      reductions_duplicate=problem.profile.reductions_duplicate,
-                      dot_operands=problem.profile.dot_operand_fusion)
 
   canon, vcanon = problem.view.op_canon, problem.view.canon
   update = {i for i in pos if canon.get(i, i) in problem.update_ops}

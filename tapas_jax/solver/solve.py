@@ -329,7 +329,7 @@ def cached_activations(problem: Problem, cache: dict | None) -> Activations:
   key = ("activations",) + tuple(id(x) for x in parts)
   hit = cache.get(key)
   if hit is None or any(a is not b for a, b in zip(hit[0], parts)):
-    hit = cache[key] = (parts, activations(problem))  # the parts held: ids stay theirs
+    hit = cache[key] = (parts, activations(problem, cache))  # the parts held: ids stay theirs
   return hit[1]
 
 

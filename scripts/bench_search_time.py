@@ -13,8 +13,9 @@ the checkout to time with `PYTHONPATH=.` (else the installed package is imported
 
 With --depths, the search's flatness in depth instead (issue 19 item 6, issue 20 item 5):
 per depth, the stages of `plan.stats` (trace, fold, search, plan, report) beside the
-call's wall time, and the ratios: the work after trace and fold (search + plan +
-report) at the deepest over the shallowest depth, and fold / trace at each depth. Each
+call's wall time ("other": what no stage counts), and the ratios: the work after trace
+and fold (wall less the two) at the deepest over the shallowest depth, and fold / trace
+at each depth. Each
 depth runs in a fresh process (`--repeat` times, the fastest kept: the machine may be
 shared). `--style` times a `tests/styles.py` train step instead of a zoo model.
 
@@ -117,8 +118,9 @@ def _depths(flags) -> None:
       out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
       runs.append(json.loads(out.strip().splitlines()[-1]))
     r = rows[d] = min(runs, key=lambda r: r["wall_s"])
-    # The work after tracing and folding: what the search does per unique layer.
-    r["after_s"] = r["search_s"] + r["plan_s"] + r["report_s"]
+    # Everything the call does after tracing and folding (the search, the plan, the
+    # report and anything no stage counts): what should not grow with depth.
+    r["after_s"] = r["wall_s"] - r["trace_s"] - r["fold_s"]
     other = r["wall_s"] - sum(r[k] for k in _STAGES)
     print(f"{d:>6} {r['ops']:>6} {r['trace_s']:>6.2f} {r['fold_s']:>6.2f} "
           f"{r['search_s']:>6.2f} {r['plan_s']:>6.2f} {r['report_s']:>6.2f} "

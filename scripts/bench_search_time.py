@@ -52,8 +52,15 @@ def main():
                       help="comma-separated layer counts: time each, print the ratios")
   parser.add_argument("--style", default="", help="a tests/styles.py style (--depths)")
   parser.add_argument("--repeat", type=int, default=1, help="runs per depth (--depths)")
+  parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                      help="--depths: 'cpu' times every stage in this process's CPU "
+                      "seconds (`time.process_time`), steadier than wall time on a loaded "
+                      "machine")
   parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
   flags = parser.parse_args()
+  if flags.clock == "cpu":
+    # The stages read `time.perf_counter` when they run: read CPU seconds instead.
+    time.perf_counter = time.process_time
   if flags.one:
     return _one(flags)
   if flags.depths:
@@ -105,7 +112,8 @@ def _one(flags) -> None:
 def _depths(flags) -> None:
   depths = [int(d) for d in flags.depths.split(",")]
   what = f"style {flags.style}" if flags.style else f"{flags.model} {flags.config}"
-  print(f"{what}, mesh {flags.mesh}, {flags.device}; fastest of {flags.repeat} per depth")
+  print(f"{what}, mesh {flags.mesh}, {flags.device}; fastest of {flags.repeat} per depth, "
+        f"{flags.clock} seconds")
   print(f"{'layers':>6} {'ops':>6} {'trace':>6} {'fold':>6} {'search':>6} {'plan':>6} "
         f"{'report':>6} {'wall':>6} {'other':>6} {'after':>6} {'fold/trace':>10}")
   rows = {}
@@ -114,7 +122,7 @@ def _depths(flags) -> None:
     for _ in range(flags.repeat):
       cmd = [sys.executable, __file__, f"--one={d}", f"--model={flags.model}",
              f"--config={flags.config}", f"--mesh={flags.mesh}", f"--device={flags.device}",
-             f"--batch={flags.batch}", f"--style={flags.style}"]
+             f"--batch={flags.batch}", f"--style={flags.style}", f"--clock={flags.clock}"]
       out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
       runs.append(json.loads(out.strip().splitlines()[-1]))
     r = rows[d] = min(runs, key=lambda r: r["wall_s"])

@@ -10,13 +10,29 @@ the checkout to time with `PYTHONPATH=.` (else the installed package is imported
   python scripts/bench_search_time.py --budget=inf --device=tpu-v5p --batch=192
   python scripts/bench_search_time.py --model=t5 --config=tiny --mesh=data=2,model=4 \
       --batch=8 --budget=0.7x                               # 0.7 x the default plan's memory
+
+With --depths, the search's flatness in depth instead (issue 19 item 6, issue 20 item 5):
+per depth, the stages of `plan.stats` (trace, fold, search, plan, report) beside the
+call's wall time ("other": what no stage counts), and the ratios: the work after trace
+and fold (wall less the two) at the deepest over the shallowest depth, and fold / trace
+at each depth. Each
+depth runs in a fresh process (`--repeat` times, the fastest kept: the machine may be
+shared). `--style` times a `tests/styles.py` train step instead of a zoo model.
+
+  python scripts/bench_search_time.py --depths=12,48,96 --model=gpt --config=tiny \
+      --mesh=data=2,model=4 --batch=8 --repeat=2           # GPT width 64
+  python scripts/bench_search_time.py --depths=4,12,48 --style=linen_remat --repeat=2
 """
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # styles
 
 import tapas_jax as tapas  # noqa: E402
 from tapas_jax import models  # noqa: E402
@@ -32,7 +48,23 @@ def main():
   parser.add_argument("--budget", default="default",
                       help="'default' (the device's memory less headroom), 'inf', bytes, "
                       "or '<f>x': f times the memory of the plan under the default")
+  parser.add_argument("--depths", default="",
+                      help="comma-separated layer counts: time each, print the ratios")
+  parser.add_argument("--style", default="", help="a tests/styles.py style (--depths)")
+  parser.add_argument("--repeat", type=int, default=1, help="runs per depth (--depths)")
+  parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                      help="--depths: 'cpu' times every stage in this process's CPU "
+                      "seconds (`time.process_time`), steadier than wall time on a loaded "
+                      "machine")
+  parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
   flags = parser.parse_args()
+  if flags.clock == "cpu":
+    # The stages read `time.perf_counter` when they run: read CPU seconds instead.
+    time.perf_counter = time.process_time
+  if flags.one:
+    return _one(flags)
+  if flags.depths:
+    return _depths(flags)
   m = models.get_model(flags.model, flags.config)
   mesh = {k: int(v) for k, v in (item.split("=") for item in flags.mesh.split(","))}
   args = (m.train_step(), m.abstract_state(), m.batch_spec(flags.batch))
@@ -54,6 +86,60 @@ def main():
   seconds = time.perf_counter() - start
   print(f"{flags.model} {flags.config} batch {flags.batch} mesh {mesh} {flags.device} "
         f"budget {flags.budget}: {seconds:.2f} s end to end; {outcome}")
+
+_STAGES = ("trace_s", "fold_s", "search_s", "plan_s", "report_s")
+
+
+def _one(flags) -> None:
+  """One search at depth `flags.one`, its stages and wall time as a JSON line."""
+  mesh = {k: int(v) for k, v in (item.split("=") for item in flags.mesh.split(","))}
+  if flags.style:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import styles  # noqa: PLC0415 - a test helper, on the path only here
+    p = styles.STYLES[flags.style](flags.one)
+    args = (p.step, p.state, p.batch)
+  else:
+    m = models.get_model(flags.model, flags.config, num_layers=flags.one)
+    args = (m.train_step(), m.abstract_state(), m.batch_spec(flags.batch))
+  start = time.perf_counter()
+  plan = tapas.search(*args, mesh=mesh, device=flags.device)
+  wall = time.perf_counter() - start
+  # A commit before plan_s / report_s counts them in none (its "other" column).
+  row = {k: getattr(plan.stats, k, 0.0) for k in _STAGES}
+  print(json.dumps(dict(row, wall_s=wall, ops=plan.stats.num_equations)))
+
+
+def _depths(flags) -> None:
+  depths = [int(d) for d in flags.depths.split(",")]
+  what = f"style {flags.style}" if flags.style else f"{flags.model} {flags.config}"
+  print(f"{what}, mesh {flags.mesh}, {flags.device}; fastest of {flags.repeat} per depth, "
+        f"{flags.clock} seconds")
+  print(f"{'layers':>6} {'ops':>6} {'trace':>6} {'fold':>6} {'search':>6} {'plan':>6} "
+        f"{'report':>6} {'wall':>6} {'other':>6} {'after':>6} {'fold/trace':>10}")
+  rows = {}
+  for d in depths:
+    runs = []
+    for _ in range(flags.repeat):
+      cmd = [sys.executable, __file__, f"--one={d}", f"--model={flags.model}",
+             f"--config={flags.config}", f"--mesh={flags.mesh}", f"--device={flags.device}",
+             f"--batch={flags.batch}", f"--style={flags.style}", f"--clock={flags.clock}"]
+      out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+      runs.append(json.loads(out.strip().splitlines()[-1]))
+    r = rows[d] = min(runs, key=lambda r: r["wall_s"])
+    # Everything the call does after tracing and folding (the search, the plan, the
+    # report and anything no stage counts): what should not grow with depth.
+    r["after_s"] = r["wall_s"] - r["trace_s"] - r["fold_s"]
+    other = r["wall_s"] - sum(r[k] for k in _STAGES)
+    print(f"{d:>6} {r['ops']:>6} {r['trace_s']:>6.2f} {r['fold_s']:>6.2f} "
+          f"{r['search_s']:>6.2f} {r['plan_s']:>6.2f} {r['report_s']:>6.2f} "
+          f"{r['wall_s']:>6.2f} {other:>6.2f} {r['after_s']:>6.2f} "
+          f"{r['fold_s'] / r['trace_s']:>10.1%}")
+  lo, hi = rows[depths[0]], rows[depths[-1]]
+  print(f"{depths[-1]} / {depths[0]} layers: after trace and fold "
+        f"{hi['after_s'] / lo['after_s']:.2f}x, search {hi['search_s'] / lo['search_s']:.2f}x, "
+        f"wall {hi['wall_s'] / lo['wall_s']:.2f}x; fold / trace at most "
+        f"{max(r['fold_s'] / r['trace_s'] for r in rows.values()):.1%}")
+
 
 if __name__ == "__main__":
   main()

@@ -207,9 +207,11 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
     start = time.perf_counter()
     solution = _solve(prepared, budget, config, cache=cache)
     search_s = prepared.prepare_s + time.perf_counter() - start
+    start = time.perf_counter()
+    figures = baseline_figures(prepared.problem, cache)
     return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
-                             search_s=search_s, kwargs=kwargs,
-                             baselines=baseline_figures(prepared.problem, cache))
+                             search_s=search_s, kwargs=kwargs, baselines=figures,
+                             report_s=time.perf_counter() - start)
 
   plan = solve(budget)
   if config.verify is None:
@@ -355,5 +357,5 @@ def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None
     solution = solverlib.evaluate(problem, choice, input_layouts=fixed, table_cache=table_cache)
     out.append(planlib.BaselineFigures(
         name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
-        memory_bytes=planlib.memory_bytes(problem, solution)))
+        memory_bytes=solution.memory_bytes))
   return tuple(out)

@@ -24,6 +24,7 @@ import functools
 import html
 import math
 import re
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -36,7 +37,7 @@ from tapas_jax.fold import Folded
 from tapas_jax.plan_records import (BaselineFigures, CompiledFigures, Constraint, Decision,
                                     LayerStrategy, PlanStats)
 from tapas_jax.solver import Problem, Solution
-from tapas_jax.solver import memory, remat, tables
+from tapas_jax.solver import remat, tables
 
 __all__ = ["BaselineFigures", "CompiledFigures", "Constraint", "Decision", "LayerStrategy",
            "Plan", "PlanStats", "make_plan"]
@@ -254,7 +255,7 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
               search_s: float, name: str = "tapas",
               input_layouts: Mapping[int, costlib.Layout] | None = None,
               kwargs: Mapping[str, Any] | None = None,
-              baselines: Sequence[BaselineFigures] = ()):
+              baselines: Sequence[BaselineFigures] = (), report_s: float = 0.0):
   """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
 
   Args:
@@ -262,7 +263,9 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       FSDP baseline); their specs come from here.
     kwargs: the keyword arguments traced (after `args`, in sorted name order).
     baselines: expert layouts' figures to report next to this plan's.
+    report_s: seconds costing them (`PlanStats.report_s`).
   """
+  start = time.perf_counter()
   g = problem.graph
   fixed = input_layouts or {}
   specs = [PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, solution.choice))
@@ -304,6 +307,8 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       seen.add((example, axes))
       class_axes.append((example, problem.classes[c].size, axes))
   class_axes = tuple(class_axes)
+  constraints = _constraints(problem, solution, fixed)
+  rows = decisions(problem, solution)
   stats = PlanStats(
       num_equations=len(g.ops),
       num_layer_instances=len(folded.instances),
@@ -314,25 +319,20 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       predicted_step_s=solution.step_s,
       predicted_comm_bytes=solution.comm_bytes,
       predicted_state_bytes=solution.state_bytes,
-      predicted_memory_bytes=solution.state_bytes + _activation_peak(problem, solution,
-                                                                     folded),
+      predicted_memory_bytes=solution.memory_bytes,
       cost_tables_built=solution.tables_built,
       solver_status=solution.status,
+      plan_s=time.perf_counter() - start,
+      report_s=report_s,
   )
   return Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
               device=problem.profile.name, in_specs=tuple(in_specs),
               class_axes=class_axes, layers=tuple(layers), stats=stats,
-              fingerprint=g.regions[0].fingerprint, name=name,
-              constraints=_constraints(problem, solution, fixed),
+              fingerprint=g.regions[0].fingerprint, name=name, constraints=constraints,
               kwargs_specs=kwargs_specs,
               input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs),
-              decisions=decisions(problem, solution), baselines=tuple(baselines),
+              decisions=rows, baselines=tuple(baselines),
               remat=remat.policy_names(folded, solution.remat))
-
-
-def memory_bytes(problem: Problem, solution: Solution) -> float:
-  """Predicted per-device bytes of a solution: inputs plus live intermediates at the peak."""
-  return solution.state_bytes + _activation_peak(problem, solution)
 
 
 def decisions(problem: Problem, solution: Solution) -> tuple[Decision, ...]:
@@ -417,13 +417,22 @@ def _constraints(problem: Problem, solution: Solution,
   """Where a cut value is read in another layout than it was made or stored in, the
   reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
   g, view = problem.graph, problem.view
-  spec = functools.partial(_spec, choice=solution.choice)
+  specs: dict[tuple, PartitionSpec] = {}  # copies of a layer read alike: one spec each
+
+  def spec(classes):
+    key = tuple(classes)
+    if key not in specs:
+      specs[key] = _spec(key, solution.choice)
+    return specs[key]
+
+  read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
+  top = g.region_ops(0)
   out = []
   # Contractions' results as planned, reduced where they are made: XLA propagates the
   # rest from these, and otherwise picks layouts of its own between them. A reader
   # through a cut gets the made layout first, then its own (below): XLA reduces the
   # result where it is made and reshards it, as the cut is priced.
-  for op in g.region_ops(0):
+  for op in top:
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
     tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
@@ -439,12 +448,12 @@ def _constraints(problem: Problem, solution: Solution,
       out += [Constraint(site=reader.site, slot=k, spec=made)
               for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
               if x == v]
-  for op in g.region_ops(0):
+  for op in top:
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
     for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      classes = problem.read_dims(rep, y)
+      classes = read_dims(rep, y)
       if classes is None or x in g.literals:
         continue
       want = spec(classes)
@@ -514,12 +523,3 @@ def _from_partial_sums(problem: Problem, choice, v: int) -> bool:
       todo.extend(y for y in g.ops[made].inputs if y not in g.literals)
   return False
 
-
-def _activation_peak(problem: Problem, solution: Solution, folded: Folded | None = None
-                     ) -> float:
-  """Peak per-device bytes of live intermediate values over the top-level program."""
-  acts = memory.activations(problem)
-  if solution.remat and folded is not None:
-    acts = remat.with_remat(problem, acts, [r for u, p in solution.remat.items()
-                                            for r in remat.layer_remats(folded, u, p)])
-  return memory.activation_peak(problem, acts, solution.choice)[0]

@@ -403,6 +403,8 @@ def _jsonable(value: Any) -> bool:
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
         "decisions", "baselines", "remat", "compiled"}
+# Stats fields added after version 1's first files: absent from older ones.
+_LATER_STATS = frozenset({"plan_s", "report_s"})
 
 
 def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") -> Any:
@@ -475,6 +477,8 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
   values = {}
   for f in dataclasses.fields(records.PlanStats):
     where = f"stats.{f.name}"
+    if f.name in _LATER_STATS and f.name not in stats:
+      continue  # a plan written before the field: its default
     value = r.field(stats, f.name, where)
     if f.type in ("int", int):
       values[f.name] = r.integer(value, where)

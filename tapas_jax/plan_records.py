@@ -41,6 +41,11 @@ class PlanStats:
     cost_tables_built: op cost tables computed (not reused).
     solver_status: "optimal"; "time_limit" when the integer program stopped early;
       "exact over reduced domains (...)" when elimination had to narrow the choices.
+    plan_s: seconds turning the solution into this plan (specs, constraints, report
+      records), after the search.
+    report_s: seconds costing the report's baselines (`baselines`) beside the plan.
+      With trace, fold and search, the stages of one call: they add up to its wall
+      time, less the options' checks.
   """
 
   num_equations: int
@@ -55,6 +60,8 @@ class PlanStats:
   predicted_memory_bytes: float
   cost_tables_built: int
   solver_status: str = "optimal"
+  plan_s: float = 0.0
+  report_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,24 @@ def test_a_plan_of_builtin_containers_comes_back_equal(tmp_path):
   assert json.loads((tmp_path / "plan.json").read_text())["version"] == plan_file.VERSION
 
 
+def test_a_file_from_before_the_plan_and_report_timings_loads(tmp_path):
+  """`PlanStats.plan_s` / `report_s` came after version 1's first files: a file
+  without them loads, with the timings 0; the other fields are still required."""
+  plan = small_plan()
+  assert plan.stats.plan_s > 0 and plan.stats.report_s > 0
+  plan.save(tmp_path / "plan.json")
+  data = json.loads((tmp_path / "plan.json").read_text())
+  for key in ("plan_s", "report_s"):
+    del data["stats"][key]
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  loaded = tapas.Plan.load(tmp_path / "old.json")
+  assert loaded.stats == dataclasses.replace(plan.stats, plan_s=0.0, report_s=0.0)
+  del data["stats"]["fold_s"]
+  (tmp_path / "bad.json").write_text(json.dumps(data))
+  with pytest.raises(plan_file.PlanFileError, match="stats.fold_s"):
+    tapas.Plan.load(tmp_path / "bad.json")
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama_nnx"])
 def test_train_state_specs_round_trip_by_key_path(tmp_path, family):
   m, plan = zoo_plan(family)

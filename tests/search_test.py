@@ -2,8 +2,10 @@
 
 import dataclasses
 import functools
+import importlib
 import math
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -526,3 +528,37 @@ def test_a_scanned_stack_plans_with_the_same_work_at_any_depth():
   assert stats[128].num_layer_instances == 1
   # Generous for a shared machine: an unrolled 128-layer stack takes far longer to trace.
   assert stats[128].trace_s + stats[128].fold_s + stats[128].search_s < 5
+
+
+def test_the_programs_activations_are_built_once_per_search(monkeypatch):
+  """The solve, the plan's peak and the report's data-parallel and FSDP figures share
+  one pass of the memory model over the program (it ran four times: issue 19), and the
+  plan's figure is the solver's."""
+  solvemod = importlib.import_module("tapas_jax.solver.solve")  # the package's `solve`
+  calls = []                                                   # is the function
+  real = solvemod.activations
+  monkeypatch.setattr(solvemod, "activations",
+                      lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+  _, step, state, batch = zoo("gpt")
+  plan = tapas.search(step, state, batch, mesh=MESHES["2d"], device="h100")
+  assert len(calls) == 1
+  assert [b.name for b in plan.baselines] == ["data_parallel", "fsdp"]
+  prepared = api.prepare(step, (state, batch), mesh=MESHES["2d"], device="h100")
+  solution = solver.solve(prepared.problem, memory_budget=api.default_budget(
+      prepared.problem.profile), folded=prepared.folded)
+  assert solution.memory_bytes == plan.stats.predicted_memory_bytes
+  assert solution.activation_bytes > 0
+
+
+def test_stage_timings_add_up_to_the_call():
+  """trace + fold + search + plan + report: every part of a search's wall time is in
+  one stage (issue 19), the plan and its report's baselines included."""
+  m = models.get_model("gpt", "tiny", num_layers=8)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  start = time.perf_counter()
+  s = tapas.search(*args, mesh=MESHES["2d"], device="h100").stats
+  wall = time.perf_counter() - start
+  counted = s.trace_s + s.fold_s + s.search_s + s.plan_s + s.report_s
+  assert s.plan_s > 0 and s.report_s > 0
+  # Outside every stage: checking the options, and the walk from the call to `trace`.
+  assert 0.85 * wall <= counted <= wall, (counted, wall, s)

@@ -26,7 +26,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["fused_values", "live_ops"]
+__all__ = ["fused_values", "live_ops", "top_level"]
 
 
 def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = None
@@ -41,6 +41,34 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
       live.add(op.index)
       needed.update(op.inputs)
   return live
+
+
+def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: bool = True,
+              dot_operands: bool = False) -> tuple[set[int], set[int]]:
+  """(`live_ops`, `fused_values`) of the top-level program, kept in `cache` (a search's
+  table cache) so that the cost tables and the memory model, and every problem of one
+  search, walk the program once. Read-only: callers must not change the sets.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tapas_jax import trace
+    >>> g = trace.trace(lambda x: jnp.sum(jnp.tanh(x) * 2.0),
+    ...                 jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    >>> cache = {}
+    >>> top_level(g, cache) is top_level(g, cache)
+    True
+  """
+  key = ("fusion", id(graph), reductions_duplicate, dot_operands)
+  hit = cache.get(key) if cache is not None else None
+  if hit is None or hit[0] is not graph:
+    top = graph.region_ops(0)
+    live = live_ops(graph, top)
+    hit = (graph, (live, fused_values(graph, top, live,
+                                      reductions_duplicate=reductions_duplicate,
+                                      dot_operands=dot_operands)))
+    if cache is not None:
+      cache[key] = hit  # the graph held: its id stays its own
+  return hit[1]
 
 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],

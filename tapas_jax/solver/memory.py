@@ -19,7 +19,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
-from tapas_jax.solver.fusion import fused_values, live_ops
+from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
 from tapas_jax.solver.tables import Table, evaluate_tables
@@ -130,8 +130,11 @@ class Activations:
     return tuple(seen), np.array(index, int)
 
 
-def activations(problem: Problem) -> Activations:
+def activations(problem: Problem, cache: dict | None = None) -> Activations:
   """The intermediates of the top-level program, as XLA keeps them.
+
+  `cache` (a search's table cache) shares the program's fusion with the cost tables
+  (`fusion.top_level`).
 
   * Values no output depends on are dropped (dead code).
   * A program output lives to the end, except the next value of carried state: the
@@ -171,28 +174,30 @@ def activations(problem: Problem) -> Activations:
   g = problem.graph
   top = g.region_ops(0)
   pos = {op.index: j for j, op in enumerate(top)}
-  live = live_ops(g, top)
+  live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
+                          dot_operands=problem.profile.dot_operand_fusion)
   end = len(top) - 1
   outputs = set(g.outputs)
   carried = {g.outputs[k] for k, _ in g.carried}
   start, stop, nbytes, dims, values, stored = [], [], [], [], [], []
 
-  fused = fused_values(g, top, live,
-                      reductions_duplicate=problem.profile.reductions_duplicate,
-                      dot_operands=problem.profile.dot_operand_fusion)
+  canon, vcanon = problem.view.op_canon, problem.view.canon
+  update = {i for i in pos if canon.get(i, i) in problem.update_ops}
 
-  def in_update(c):
-    return problem.view.op_canon.get(c, c) in problem.update_ops
+  def in_update(c):  # of a top-level op
+    return c in update
 
   # What the update reads of the rest of the program, in the layout it reads it in:
   # value -> (delivered classes, last update reader).
   delivered = {}
+  by_update = {v for v, side in problem.reader_dims if side is True}
   for op in top:
     for w in op.outputs if op.index in live else ():
-      read = problem.reader_dims.get((problem.cv(w), True))
-      updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and in_update(c)]
-      if read is not None and updates and w not in outputs:
-        delivered[w] = (tuple(read), max(updates))
+      if vcanon.get(w, w) not in by_update or w in outputs:
+        continue
+      updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and c in update]
+      if updates:
+        delivered[w] = (tuple(problem.reader_dims[(vcanon.get(w, w), True)]), max(updates))
   # Ops that only lead to delivered values through fused values (the moments' `g ** 2`,
   # `(1 - b) * g`) fuse into the update, after the gradient's reduction, whatever the
   # program order: they write nothing out of their own.
@@ -237,26 +242,29 @@ def activations(problem: Problem) -> Activations:
     if op.index not in live or op.index in feeding:
       continue
     transposed = conv_copies.get(op.index, {})
+    here = max([pos[op.index]] + [reach.get(w, pos[op.index]) for w in op.outputs
+                                  if w in fused])
     for v in op.inputs:
       if v in delivered and in_update(op.index):
         continue  # the update reads the delivered copy
       if v in transposed:
         continue  # the conv reads its transposed copy
-      here = max([pos[op.index]] + [reach.get(w, pos[op.index]) for w in op.outputs
-                                    if w in fused])
       reach[v] = max(reach.get(v, here), here)
 
   def last_reader(v, default):
     return reach.get(v, default)
 
   own: dict[int, int] = {}  # value -> its entry as made
+  sided = {r for r, _ in problem.read_sides}  # ops reading through an activation cut
   for j, op in enumerate(top):
     if op.index not in live:
       continue
     for v in op.outputs:
       t = g.types[v]
+      if not t.shape:
+        continue
       made = _made(problem, op, v)
-      if not t.shape or made is None:
+      if made is None:
         continue
       readers = [c for c in g.consumers.get(v, ()) if c in live]
       whole = not (v in fused or v in carried)
@@ -277,13 +285,17 @@ def activations(problem: Problem) -> Activations:
         # tiny zoo under sequence-parallel plans: a copy held from its first reader to
         # its last over-counted XLA's peak by ~10%).
         for c in readers:
-          rep = problem.view.op_canon.get(c, c)
+          rep = canon.get(c, c)
+          if rep not in sided:
+            continue
           for k, x in enumerate(g.ops[c].inputs):
+            if x != v:
+              continue
             # Read as the op standing for this one reads its operand (an interior copy
             # reading the last layer's output reads it as the representative does).
             y = problem.cv(g.ops[rep].inputs[k])
             side = problem.read_sides.get((rep, y))
-            if x != v or side is None:
+            if side is None:
               continue
             start.append(pos[c])
             stop.append(pos[c])
@@ -333,7 +345,8 @@ def activations(problem: Problem) -> Activations:
           stored.append(None)
           only.append(partial)
   for j, op in enumerate(top):
-    if op.index in live:
+    # Only a loop (its representative has a body) writes out values of its body.
+    if op.index in live and g.ops[canon.get(op.index, op.index)].subregions:
       for v, made in _loop_body_values(problem, op):
         start.append(j)
         stop.append(j)

@@ -40,11 +40,12 @@ from tapas_jax.solver.eliminate import (Schedule, TooEntangled, merge, merge_int
                                         reduced_domains, restrict, take)
 from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
-from tapas_jax.solver.memory import activations, memory_tables
+from tapas_jax.solver.memory import Activations, activation_peak, activations, memory_tables
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
-__all__ = ["SOLVERS", "Solution", "evaluate", "solve", "warn_unsplittable"]
+__all__ = ["SOLVERS", "Solution", "cached_activations", "evaluate", "solve",
+           "warn_unsplittable"]
 
 
 
@@ -57,6 +58,8 @@ class Solution:
     step_s: predicted compute + communication seconds per step.
     comm_bytes: bytes sent per device per step, summed over collectives.
     state_bytes: per-device bytes of the program's inputs under the plan.
+    activation_bytes: per-device bytes of the intermediates live at the activation peak
+      under the plan (its remat included).
     tables_built: op cost tables computed (not reused).
     solve_s: seconds spent.
     memory_weight: final Lagrange weight on state bytes (0 without a budget).
@@ -71,12 +74,18 @@ class Solution:
   step_s: float
   comm_bytes: float
   state_bytes: float
+  activation_bytes: float
   tables_built: int
   solve_s: float
   memory_weight: float
   status: str = "optimal"
   reasons: Mapping[int, Reason] = dataclasses.field(default_factory=dict)
   remat: Mapping[int, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def memory_bytes(self) -> float:
+    """Predicted per-device bytes: the inputs plus the live intermediates at the peak."""
+    return self.state_bytes + self.activation_bytes
 
 
 def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
@@ -97,7 +106,9 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
     time_limit: seconds for the integer program; `Solution.status` says
       "time_limit" when it stopped early.
     table_cache: cost tables already built for this problem (shared with `evaluate`
-      so that costing baselines next to the plan rebuilds nothing); with `reuse`.
+      so that costing baselines next to the plan rebuilds nothing; with `reuse`), and
+      the program's activations (`cached_activations`), built once for every problem
+      over the same program.
     folded: the program's `fold.Folded`; given, under a budget, rematerialisation per
       unique layer is chosen with the sharding (`solver.remat.choose`).
 
@@ -111,7 +122,8 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   builder = TableBuilder(problem, reuse=reuse, cache=table_cache)
   tables = all_tables(problem, builder)
   objective = _Objective(problem, tables, memory_tables(problem))
-  acts = activations(problem) if memory_budget is not None else None
+  plain_acts = cached_activations(problem, table_cache)
+  acts = plain_acts if memory_budget is not None else None
   incumbents = experts.incumbents(problem) if acts is not None else ()
 
   def attempt(tables, acts):
@@ -135,10 +147,12 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   if not np.isfinite(step_s):
     raise RuntimeError("search: no finite-cost plan (every choice splits an op twice)")
   choice = {c: problem.domains[c][i] for c, i in assignment.items() if problem.domains[c][i]}
+  # `choose` hands back the chosen plan's activations, its remat applied.
+  peak = activation_peak(problem, acts if acts is not None else plain_acts, choice)[0]
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
-                  tables_built=builder.built, solve_s=time.perf_counter() - start,
-                  memory_weight=result.weight, status=result.status,
-                  reasons=reasons(problem, tables, assignment), remat=modes)
+                  activation_bytes=peak, tables_built=builder.built,
+                  solve_s=time.perf_counter() - start, memory_weight=result.weight,
+                  status=result.status, reasons=reasons(problem, tables, assignment), remat=modes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,17 +288,19 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
     folded: the program's `fold.Folded`; needed with `remat`.
     remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
       the layers rematerialised; their recompute is costed as the search costs it.
+    table_cache: as for `solve`: the search's tables and activations, shared.
   """
   start = time.perf_counter()
   builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(problem, builder)
   remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}
+  acts = cached_activations(problem, table_cache)
   if remat:
     if folded is None:
       raise ValueError("evaluate: remat= needs the program's folded= (fold.fold(graph))")
-    tables = tables + rematlib.recompute_tables(
-        problem, builder, [r for u, p in remat.items()
-                           for r in rematlib.layer_remats(folded, u, p)])
+    remats = [r for u, p in remat.items() for r in rematlib.layer_remats(folded, u, p)]
+    tables = tables + rematlib.recompute_tables(problem, builder, remats)
+    acts = rematlib.with_remat(problem, acts, remats)
   index = {}
   for c, axes in choice.items():
     if axes not in problem.domains[c]:
@@ -294,9 +310,27 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
     index[c] = problem.domains[c].index(axes)
   step_s, comm = evaluate_tables(tables, index)
   state = evaluate_tables(memory_tables(problem, input_layouts), index)[0]
+  peak = activation_peak(problem, acts, choice)[0]
   return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
-                  tables_built=builder.built, solve_s=time.perf_counter() - start,
-                  memory_weight=0.0, reasons=reasons(problem, tables, index), remat=remat)
+                  activation_bytes=peak, tables_built=builder.built,
+                  solve_s=time.perf_counter() - start, memory_weight=0.0,
+                  reasons=reasons(problem, tables, index), remat=remat)
+
+
+def cached_activations(problem: Problem, cache: dict | None) -> Activations:
+  """`memory.activations(problem)`, kept in `cache` (a search's table cache) for every
+  problem over the same program, view, classes and profile: they read neither the
+  domains (a baseline's wider batch, `problem.with_batch_axes`) nor fixed input
+  layouts, so the search and its baselines share one."""
+  if cache is None:
+    return activations(problem)
+  parts = (problem.graph, problem.view, problem.classes, problem.value_class,
+           problem.reader_dims, problem.profile)
+  key = ("activations",) + tuple(id(x) for x in parts)
+  hit = cache.get(key)
+  if hit is None or any(a is not b for a, b in zip(hit[0], parts)):
+    hit = cache[key] = (parts, activations(problem, cache))  # the parts held: ids stay theirs
+  return hit[1]
 
 
 def warn_unsplittable(problem: Problem) -> None:

@@ -35,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import cost as costlib
-from tapas_jax.solver.fusion import fused_values, live_ops
+from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
 from tapas_jax.trace import Op, TensorType
@@ -84,16 +84,12 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
-    top = g.region_ops(0)
-    live = live_ops(g, top)
-    self.dead = {op.index for op in top} - live
-    self.unwritten = fused_values(g, top, live)  # values that never reach memory
-    for loop in problem.view.loops:  # a scan body fuses as the top level does
-      region = scan_region(g, g.ops[loop])
-      body = [op for op in g.ops if op.region == region.index]
-      live = live_ops(g, body, region.outputs)
-      self.dead |= {op.index for op in body} - live
-      self.unwritten |= fused_values(g, body, live, region.outputs)
+    key = ("unwritten", id(g), id(problem.view))
+    hit = self.cache.get(key)
+    if hit is None or hit[0] is not g or hit[1] is not problem.view:
+      # The same for every builder over this program and view: built once per cache.
+      hit = self.cache[key] = (g, problem.view, *_dead_and_unwritten(problem, self.cache))
+    self.dead, self.unwritten = hit[2], hit[3]
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
@@ -541,6 +537,23 @@ def mesh_dims(positions: Sequence[int | None],
   return tuple(dims)
 
 
+def _dead_and_unwritten(problem: Problem, cache: dict
+                        ) -> tuple[frozenset[int], frozenset[int]]:
+  """(ops XLA removes, values that never reach memory) of the top level and of every
+  scan body the view searches (a body fuses as the top level does)."""
+  g = problem.graph
+  live, fused = top_level(g, cache)
+  dead = {op.index for op in g.region_ops(0)} - live
+  unwritten = set(fused)
+  for loop in problem.view.loops:
+    region = scan_region(g, g.ops[loop])
+    body = [op for op in g.ops if op.region == region.index]
+    live = live_ops(g, body, region.outputs)
+    dead |= {op.index for op in body} - live
+    unwritten |= fused_values(g, body, live, region.outputs)
+  return frozenset(dead), frozenset(unwritten)
+
+
 def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
   """Cost tables of every op, every partial value's reduction and every state carry."""
   weighted = []
@@ -549,7 +562,14 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
     weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
-  copies = _activation_cut_copies(problem, builder)
+  key = ("cut copies", id(problem.graph), id(problem.view), id(problem.read_sides))
+  hit = builder.cache.get(key)
+  if hit is None or hit[0] is not problem.graph or hit[1] is not problem.view or \
+      hit[2] is not problem.read_sides:
+    # A pass over the whole program, the same for every builder of this view and cuts.
+    hit = builder.cache[key] = (problem.graph, problem.view, problem.read_sides,
+                                _activation_cut_copies(problem, builder))
+  copies = hit[3]
   for v, side in problem.reader_dims:
     if isinstance(side, str):
       w = copies.get((v, side), 1)
@@ -575,7 +595,8 @@ def _activation_cut_copies(problem: Problem, builder: TableBuilder
   representative's. A loop body's cut runs once per trip.
   """
   g, view = problem.graph, problem.view
-  searched = {op.index for op in builder.ops}
+  # Searched ops reading through a cut (the others add nothing).
+  searched = {op.index for op in builder.ops} & {r for r, _ in problem.read_sides}
   read: dict[tuple[int, object], dict[int, int]] = {}
   for op in g.ops:
     rep = view.op_canon.get(op.index, op.index)

@@ -392,19 +392,12 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       extra_bytes.append(r.trip_count * g.types[v].nbytes)
       dims.append((None,) + classes(v))
       values.append(v)
-    body = [op for op in g.ops if op.region == fr.index]
-    fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
-                         reductions_duplicate=problem.profile.reductions_duplicate,
-                         dot_operands=problem.profile.dot_operand_fusion)
-    for p in r.recompute:
-      for v in g.ops[p].outputs:
-        if v in fused or not g.types[v].shape:
-          continue
-        start.append(pos[r.backward])
-        stop.append(pos[r.backward])
-        extra_bytes.append(g.types[v].nbytes)
-        dims.append(classes(v))
-        values.append(v)
+    for v in _recomputed_live(problem, r):
+      start.append(pos[r.backward])
+      stop.append(pos[r.backward])
+      extra_bytes.append(g.types[v].nbytes)
+      dims.append(classes(v))
+      values.append(v)
   n = len(values)
   return dataclasses.replace(
       acts, start=np.concatenate([acts.start, np.array(start, int)]),
@@ -412,6 +405,41 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       nbytes=np.concatenate([nbytes, np.array(extra_bytes, float)]),
       dims=acts.dims + tuple(dims), values=acts.values + tuple(values),
       stored=tuple(acts.stored or (None,) * len(acts.dims)) + (None,) * n)
+
+
+def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:
+  """The values of one iteration's recomputation held together in the backward loop's
+  body: those the backward body reads (the dropped residuals' slices, live until it
+  has read them), and the recomputation's own intermediates live at its peak (in
+  forward body order, each from the op making it to its last recomputed reader). An
+  intermediate only other recomputed ops read is dead before the backward ops run, so
+  the compiler reuses its buffer (the TPU compiler's heap at a tiny scanned LLaMA under
+  nothing_saveable held one iteration's values, not every recomputed value at once)."""
+  g = problem.graph
+  fr = scan_region(g, g.ops[r.forward])
+  body = [op for op in g.ops if op.region == fr.index]
+  fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
+                       reductions_duplicate=problem.profile.reductions_duplicate,
+                       dot_operands=problem.profile.dot_operand_fusion)
+  order = [op.index for op in body if op.index in set(r.recompute)]
+  at = {p: j for j, p in enumerate(order)}
+  read_back = {fr.outputs[s] for _, s in r.dropped}
+  made, span = [], []
+  for j, p in enumerate(order):
+    for v in g.ops[p].outputs:
+      if v in fused or not g.types[v].shape:
+        continue
+      last = len(order) if v in read_back else max(
+          [at[c] for c in g.consumers.get(v, ()) if c in at], default=j)
+      made.append(v)
+      span.append((j, last))
+  if not made:
+    return []
+  live = np.zeros(len(order) + 1)
+  for v, (a, b) in zip(made, span):
+    live[a:b + 1] += g.types[v].nbytes
+  peak = int(np.argmax(live[:-1])) if len(order) else 0
+  return [v for v, (a, b) in zip(made, span) if b == len(order) or a <= peak <= b]
 
 
 def _priced_ops(problem: Problem, ops: Sequence[int]) -> list[int]:

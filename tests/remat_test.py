@@ -531,3 +531,31 @@ def test_a_users_checkpoint_is_costed_once_and_kept_by_apply():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _chain_net(ws, x):
+  def body(h, w):
+    for _ in range(4):  # a chain: each dot's input dies once the next is made
+      h = jnp.sin(h @ w)
+    return h, None
+  return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+
+def test_a_scan_remat_holds_one_iteration_of_its_recomputation_at_its_own_peak():
+  # Each backward iteration recomputes the four dot + sin steps first. What the
+  # backward body reads back (the cos of each dot, the dots' inputs) stays; nothing the
+  # recomputation alone reads outlives its last recomputed reader, so the values held
+  # with the backward body are fewer than every recomputed value.
+  layers, n, d = 4, 16, 8
+  args = (jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
+          jax.ShapeDtypeStruct((n, d), jnp.float32))
+  prepared = api.prepare(jax.grad(_chain_net), args, mesh={"data": 2}, device="tpu-v5p")
+  f, g = prepared.folded, prepared.folded.graph
+  (r,) = [r for r in remat.layer_remats(f, 0, "nothing_saveable")
+          if isinstance(r, remat.ScanRemat)]
+  held = remat._recomputed_live(prepared.problem, r)
+  fr = [reg for reg in (g.regions[i] for i in g.ops[r.forward].subregions)
+        if reg.trip_count][0]
+  read_back = {fr.outputs[s] for _, s in r.dropped}
+  made = [v for p in r.recompute for v in g.ops[p].outputs if g.types[v].shape]
+  assert read_back and read_back <= set(held) < set(made), (held, made)

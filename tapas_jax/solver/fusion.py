@@ -26,7 +26,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["fused_values", "live_ops"]
+__all__ = ["fused_values", "fuses_into", "live_ops"]
 
 
 def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = None
@@ -120,6 +120,18 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
           continue
       out.add(v)
   return out
+
+
+def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:
+  """Whether XLA computes `op`'s result inside each of these readers' fusions: an
+  elementwise or data-movement op read only by fusions that take it, an expensive one
+  by one reader only (with `dot_operands`, the TPU compiler's: dots too, and expensive
+  ops recomputed in each). Used where `fused_values` cannot see
+  the readers: a scan body's recomputed residual read in the backward loop's body."""
+  fusing = _FUSING | {"dot_general"} if dot_operands else _FUSING
+  return (op.primitive in _FUSIBLE and not op.subregions and bool(readers)
+          and all(r.primitive in fusing and not r.subregions for r in readers)
+          and (dot_operands or op.primitive not in _EXPENSIVE or len(readers) == 1))
 
 
 def _big_leaves(graph: Graph, op: Op, v: int, fused: set[int],

@@ -61,8 +61,8 @@ import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
-from tapas_jax.solver.fusion import fused_values, live_ops
-from tapas_jax.solver.memory import Activations
+from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
+from tapas_jax.solver.memory import Activations, _loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region
@@ -375,6 +375,18 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
     if v in gone and v in g.producer and g.producer[v] in {r.forward for r in scans}:
       nbytes[k] = 0.0
   start, stop, extra_bytes, dims, values = [], [], [], [], []
+  for r in scans:  # the forward body's own peak, without the residuals it drops
+    at, drop = pos[r.forward], {s for _, s in r.dropped}
+    mine = {v for v, _ in _loop_body_values(problem, g.ops[r.forward])}
+    for k, v in enumerate(acts.values):
+      if acts.start[k] == at == acts.stop[k] and v in mine:
+        nbytes[k] = 0.0
+    for v, made in _loop_body_values(problem, g.ops[r.forward], drop):
+      start.append(at)
+      stop.append(at)
+      extra_bytes.append(g.types[v].nbytes)
+      dims.append(made)
+      values.append(v)
 
   def classes(v):
     if (problem.cv(v), 0) not in problem.value_class:
@@ -423,7 +435,8 @@ def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:
                        dot_operands=problem.profile.dot_operand_fusion)
   order = [op.index for op in body if op.index in set(r.recompute)]
   at = {p: j for j, p in enumerate(order)}
-  read_back = {fr.outputs[s] for _, s in r.dropped}
+  read_back = _read_back(problem, r, fr)
+  fused |= {fr.outputs[s] for _, s in r.dropped} - read_back
   made, span = [], []
   for j, p in enumerate(order):
     for v in g.ops[p].outputs:
@@ -440,6 +453,26 @@ def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:
     live[a:b + 1] += g.types[v].nbytes
   peak = int(np.argmax(live[:-1])) if len(order) else 0
   return [v for v, (a, b) in zip(made, span) if b == len(order) or a <= peak <= b]
+
+
+def _read_back(problem: Problem, r: ScanRemat, fr) -> set[int]:
+  """The recomputed values the backward body reads as written values: a dropped
+  residual made by an elementwise op whose backward readers all take it into their
+  fusions is computed there, from its own operands (read back in its place), as XLA
+  fuses any such value within one body (`fusion.fused_values`)."""
+  g = problem.graph
+  br = scan_region(g, g.ops[r.backward])
+  recomputed = set(r.recompute)
+  out: set[int] = set()
+  for j, s in r.dropped:
+    v, p = fr.outputs[s], g.producer.get(fr.outputs[s])
+    readers = [g.ops[c] for c in g.consumers.get(br.inputs[j], ())
+               if g.ops[c].region == br.index]
+    if p in recomputed and fuses_into(g.ops[p], readers, problem.profile.dot_operand_fusion):
+      out.update(x for x in g.ops[p].inputs if g.producer.get(x) in recomputed)
+    else:
+      out.add(v)
+  return out
 
 
 def _priced_ops(problem: Problem, ops: Sequence[int]) -> list[int]:

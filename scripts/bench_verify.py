@@ -4,6 +4,11 @@ compile; no TPU needed).
 The zoo at its tiny configs on a v5p:2x2x1 topology:
 
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --batch=8
+  JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:4x4x4 --mesh=data:8,model:8 \
+      --batch=64 --layouts=data_parallel,fsdp,megatron
+
+Each row: predicted and compiled memory, and bytes sent per device (predicted by the
+cost model; compiled: the TPU HLO's collectives by kind, counted as compiled).
 
 LLaMA-3-8B at MaxText's recipe shape (seq 8192, 3 per chip, bf16 compute, f32 weights,
 adamw, chunked attention), mesh data 8 x model 8 on v5p:4x4x4, with the compiler's
@@ -29,21 +34,29 @@ from tapas_jax.verify import USABLE_HBM, tpu_mesh
 
 
 def _plan(layout, args, mesh, family, device):
-  """A searched plan ("tapas") or a baseline ("fsdp", "fsdp:nothing_saveable")."""
+  """A searched plan ("tapas", "tapas@2MiB" under that budget) or a baseline ("fsdp",
+  "fsdp:nothing_saveable")."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    if layout == "tapas":
-      return tapas.search(*args, mesh=mesh, device=device)
+    if layout.startswith("tapas"):  # "tapas@2MiB": under that budget
+      budget = layout.partition("@")[2] or None
+      return tapas.search(*args, mesh=mesh, device=device, memory_budget=budget)
     name, _, remat = layout.partition(":")
     return baselines.baseline(name, *args, mesh=mesh, family=family, device=device,
                               remat=remat or None)
 
 
+# The compiled HLO's collectives by kind, as `measure.collective_bytes` names them.
+_SHORT = {"all-gather": "ag", "all-reduce": "ar", "reduce-scatter": "rs", "all-to-all": "a2a",
+          "collective-permute": "cp"}
+
+
 def zoo(a, mesh):
   print(f"jax {jax.__version__}; topology {a.topology}; mesh {mesh}; batch {a.batch}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
-        "pred / comp | predicted sent KiB | compiled sent KiB | compile s |")
-  print("|---|---|---|---|---|---|---|---|")
+        "pred / comp | predicted sent KiB | compiled sent KiB (" + ", ".join(_SHORT.values())
+        + ") | sent pred / comp | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for family in a.families.split(","):
     m = models.get_model(family, "tiny")
     args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
@@ -51,15 +64,20 @@ def zoo(a, mesh):
       try:
         plan = _plan(layout, args, mesh, family, a.device)
       except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
-        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | |")
+        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | | |")
         continue
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r = tapas.verify(plan, args[0], *args[1:], topology=a.topology, donate_argnums=0)
+      sent = r.comm_bytes.get("total", 0.0)
+      kinds = ", ".join(f"{short} {r.comm_bytes.get(kind, 0.0) / 2**10:.1f}"
+                        for kind, short in _SHORT.items() if r.comm_bytes.get(kind))
       print(f"| {family} | {layout} | {r.predicted_memory_bytes / 2**20:.2f} | "
             f"{r.peak_bytes / 2**20:.2f} | {r.memory_ratio:.2f} | "
-            f"{r.predicted_comm_bytes / 2**10:.1f} | "
-            f"{r.comm_bytes.get('total', 0.0) / 2**10:.1f} | {r.compile_s:.1f} |", flush=True)
+            f"{r.predicted_comm_bytes / 2**10:.1f} | {sent / 2**10:.1f}"
+            f"{f' ({kinds})' if kinds else ''} | "
+            f"{r.predicted_comm_bytes / sent if sent else float('nan'):.2f} | "
+            f"{r.compile_s:.1f} |", flush=True)
 
 
 def real(a, mesh):

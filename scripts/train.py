@@ -439,13 +439,12 @@ def batch_items(batch_spec) -> tuple[float, str]:
 
 def model_flops(jax, train_step, state_spec, batch_spec) -> float:
   """FLOPs of one unsharded step as XLA counts them (lowered only; loops count once)."""
+  from tapas_jax import _jax_internals as jx  # noqa: PLC0415 - after jax is configured
   try:
     cost = jax.jit(train_step).lower(state_spec, batch_spec).cost_analysis()
   except Exception:  # noqa: BLE001 - a missing estimate only drops the MFU column
     return 0.0
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", 0.0))
+  return jx.cost_flops(cost)
 
 
 def read_metrics(path: str, upto: int) -> list[str]:

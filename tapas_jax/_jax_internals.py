@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Iterator, Mapping
 
 import jax
@@ -73,9 +74,69 @@ def name_stack(eqn: Any) -> str:
   return str(eqn.source_info.name_stack)
 
 
+# -- name-stack syntax ------------------------------------------------------------
+
 # Name-stack components JAX itself pushes, naming no module: `jax.checkpoint`'s
 # transpose runs the recomputed forward under "rematted_computation" (jax 0.4 - 0.12).
 GENERATED_SCOPES = frozenset({"rematted_computation"})
+# A transform's wrapper around a component: "jvp(GPT)", "transpose(jvp(GPT))".
+_WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
+
+
+def is_transposed(name_stack: str) -> bool:
+  """Whether an op is a backward (transposed) op of a differentiated program.
+
+  >>> is_transposed("transpose(jvp(GPT))/Block_1"), is_transposed("jvp(GPT)/Block_1")
+  (True, False)
+  """
+  return "transpose(" in name_stack
+
+
+def is_primal(name_stack: str) -> bool:
+  """Whether an op is a primal (forward) op of a differentiated program: under a
+  `jvp(...)` and not transposed. An op outside any differentiation (an optimizer
+  update, a plain forward call) is neither primal nor transposed.
+
+  >>> is_primal("jvp(GPT)/Block_1"), is_primal("transpose(jvp(GPT))/Block_1"), is_primal("adam")
+  (True, False, False)
+  """
+  return "jvp(" in name_stack and not is_transposed(name_stack)
+
+
+def scope_of(name_stack: str) -> tuple[str, ...]:
+  """Module path of a name stack, transforms and JAX's own scopes stripped.
+
+  The backward of a rematerialised block (`nn.remat`, `jax.checkpoint`) sits under its
+  call's stack twice, once transposed ("transpose(jvp(GPT))/jvp(GPT)/Block_1"), and
+  its recomputed forward also under "rematted_computation": both are the block's path.
+
+  >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
+  ('GPT', 'Block_1', 'MLP', 'fc2')
+  >>> scope_of("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/Block_1/MLP")
+  ('GPT', 'Block_1', 'MLP')
+  """
+  parts, wrapped = [], []
+  for comp in name_stack.split("/"):
+    was_wrapped = False
+    while (m := _WRAPPER.match(comp)) is not None:
+      comp, was_wrapped = m.group(1), True
+    if comp and comp not in GENERATED_SCOPES:
+      parts.append(comp)
+      wrapped.append(was_wrapped)
+  return tuple(_drop_reentry(parts, wrapped))
+
+
+def _drop_reentry(parts: list[str], wrapped: list[bool]) -> list[str]:
+  """Drops a copy of the path's own prefix that restarts at a transformed component
+  (a transform wrapper mid-stack only comes from a call re-entering its stack)."""
+  k = 1
+  while 2 * k <= len(parts):
+    if wrapped[k] and parts[k:2 * k] == parts[:k]:
+      del parts[k:2 * k], wrapped[k:2 * k]
+      k = 1
+    else:
+      k += 1
+  return parts
 
 
 def is_recompute_barrier(eqn: Any) -> bool:
@@ -108,6 +169,42 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, int, Any]]:
           yield key, i, item
 
 
+def is_call_like(eqn: Any, sub: Any) -> bool:
+  """Whether an equation only calls its one sub-jaxpr (jit, custom_jvp/vjp, remat):
+  same operand and result types, no trip count. Such calls are inlined."""
+  if trip_count(eqn) is not None:
+    return False
+  body, _ = open_jaxpr(sub)
+  if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+    return False
+  return (all(aval_of(a) == aval_of(b) for a, b in zip(body.invars, eqn.invars))
+          and all(aval_of(a) == aval_of(b) for a, b in zip(body.outvars, eqn.outvars)))
+
+
+def walk_eqns(jaxpr: Any, site: tuple = ()
+              ) -> Iterator[tuple[tuple, Any, list[tuple[str, int, Any]],
+                                  tuple[str, int, Any] | None]]:
+  """The one walk of an open jaxpr that `trace` (building ops) and `apply` (running
+  the program with its layouts pinned) share, so that their equation sites agree.
+
+  Yields, per equation in order, (site, equation, its sub-jaxprs as `sub_jaxprs`
+  gives them, the one sub-jaxpr it only calls or None). An equation's site is
+  `site + (i,)`; the equations of a sub-jaxpr (key, idx) of it are walked by the
+  caller at `site + (i, key, idx)`. A call-like equation (`is_call_like`) is inlined
+  by both; any other is one op (with regions for its sub-jaxprs) or one bind.
+
+  >>> import jax, jax.numpy as jnp
+  >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+  >>> [(site, eqn.primitive.name, call is not None)
+  ...  for site, eqn, _, call in walk_eqns(closed.jaxpr)]
+  [((0,), 'jit', True), ((1,), 'mul', False)]
+  """
+  for i, eqn in enumerate(jaxpr.eqns):
+    subs = list(sub_jaxprs(eqn))
+    call = subs[0] if len(subs) == 1 and is_call_like(eqn, subs[0][2]) else None
+    yield site + (i,), eqn, subs, call
+
+
 def trip_count(eqn: Any) -> int | None:
   for key in _TRIP_COUNT_PARAMS:
     value = eqn.params.get(key)
@@ -121,6 +218,27 @@ def is_jaxpr_param(value: Any) -> bool:
     return True
   return isinstance(value, (tuple, list)) and any(
       isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value)
+
+
+def cost_flops(cost: Any) -> float:
+  """The FLOPs of a `cost_analysis()` result: a dict on jax 0.10 - 0.12, a list of
+  one dict per program on older lines; 0 where the backend gives no estimate.
+
+  >>> cost_flops({"flops": 8.0}), cost_flops([{"flops": 8.0}]), cost_flops(None)
+  (8.0, 8.0, 0.0)
+  """
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", 0.0))
+
+
+def current_mesh() -> Any:
+  """The concrete mesh `jax.set_mesh` set, or None: `get_mesh` gives an empty mesh
+  (or, on some lines, an abstract one without devices) where none is set."""
+  mesh = jax.sharding.get_mesh()
+  if mesh is None or getattr(mesh, "empty", True) or not hasattr(mesh, "devices"):
+    return None
+  return mesh
 
 
 def make_jaxpr(fn: Any, *args: Any) -> tuple[Any, Any]:

@@ -53,8 +53,8 @@ def _mesh_for(plan: planlib.Plan, mesh: Any, where: str) -> jax.sharding.Mesh:
     raise options.OptionError(f"{where}: the first argument must be a tapas Plan (from "
                               f"tapas.search or Plan.load), got {type(plan).__name__}.")
   if mesh is None:
-    current = jax.sharding.get_mesh()
-    if current is None or getattr(current, "empty", True) or not hasattr(current, "devices"):
+    current = jx.current_mesh()
+    if current is None:
       return make_mesh(dict(plan.mesh_axes))
     mesh, source = current, "the mesh set by jax.set_mesh"
   else:
@@ -354,14 +354,12 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
 
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
-  for i, eqn in enumerate(jaxpr.eqns):
-    here = site + (i,)
+  for here, eqn, _, call in jx.walk_eqns(jaxpr, site):  # as `trace` walks it
     invals = [read(a) for a in eqn.invars]
     if remat is not None:  # before the pins: a recomputed copy is read pinned too
       invals = remat.read(here, eqn, invals)
     for slot, sharding in pins.get(here, ()):
       invals[slot] = _pinned(invals[slot], sharding, memo)
-    subs = list(jx.sub_jaxprs(eqn))
     loop = remat.loop(here) if remat is not None else None
     if given and here in given:
       outs = given[here]
@@ -369,8 +367,8 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
       outs = loop.run(here, eqn, invals)
     elif _pins_inside(eqn, here, pins):
       outs = _scan(eqn, invals, here, pins)
-    elif len(subs) == 1 and tracelib.is_call_like(eqn, subs[0][2]):
-      key, idx, sub = subs[0]
+    elif call is not None:
+      key, idx, sub = call
       body, body_consts = jx.open_jaxpr(sub)
       if jx.is_recompute_barrier(eqn):
         # The user's own remat (`jax.checkpoint`, `nn.remat`) in the backward: inlined

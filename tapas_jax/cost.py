@@ -315,12 +315,26 @@ class Collective:
     axes: mesh axes the collective runs over (one ring over their product).
     bytes_sent_per_device: ring-accounted bytes each device sends.
     time_s: α · steps + bytes / slowest-link bandwidth.
+    sent_as: the collective the compiler emits for it, whose bytes and time these are
+      (the TPU compiler's all-gathers over more than 32 chips and its reduce-scatters
+      are all-reduces: `DeviceProfile.all_gather_as_all_reduce_above`); `kind` if ""
+      (the default).
+
+  Example:
+    >>> m = MeshSpec(("data",), (64,), ("intra",))
+    >>> c = all_gather(1024, "data", m, "tpu-v5p")
+    >>> c.sent_as, c.bytes_sent_per_device  # 2 * 63/64 * 1 KiB, not 63/64
+    ('all-reduce', 2016.0)
   """
 
   kind: str
   axes: tuple[str, ...]
   bytes_sent_per_device: float
   time_s: float
+  sent_as: str = ""
+
+  def __post_init__(self):
+    object.__setattr__(self, "sent_as", self.sent_as or self.kind)
 
 
 def _axes_arg(axes: str | Iterable[str]) -> tuple[str, ...]:
@@ -337,15 +351,28 @@ def _collective(
   if n == 1:
     return Collective(kind, axes, 0.0, 0.0)
   # Ring: an all-reduce is a reduce-scatter plus an all-gather, twice the
-  # steps and twice the bytes of either.
-  factor = 2 if kind == ALL_REDUCE else 1
+  # steps and twice the bytes of either. A gather or reduce-scatter the compiler
+  # runs as an all-reduce of the same buffer (`sent_as`) is priced as that.
+  sent_as = _lowered(kind, n, profile)
+  factor = 2 if sent_as == ALL_REDUCE else 1
   sent = factor * (n - 1) / n * local_bytes
   if kind == ALL_TO_ALL or len(axes) == 1:
     links = {mesh.link(a) for a in axes}
     bandwidth = min(profile.bandwidth(link) for link in links)
     alpha = max(profile.latency(link) for link in links)
-    return Collective(kind, axes, sent, alpha * factor * (n - 1) + sent / bandwidth)
-  return Collective(kind, axes, sent, factor * _staged_time(local_bytes, axes, mesh, profile))
+    return Collective(kind, axes, sent, alpha * factor * (n - 1) + sent / bandwidth, sent_as)
+  return Collective(kind, axes, sent, factor * _staged_time(local_bytes, axes, mesh, profile),
+                    sent_as)
+
+
+def _lowered(kind: str, n: int, profile: DeviceProfile) -> str:
+  """The collective the compiler emits for `kind` over `n` devices (`DeviceProfile`'s
+  `all_gather_as_all_reduce_above`, `reduce_scatter_as_all_reduce`)."""
+  if kind == ALL_GATHER and n > profile.all_gather_as_all_reduce_above:
+    return ALL_REDUCE  # of a zero-filled buffer holding the shard
+  if kind == REDUCE_SCATTER and profile.reduce_scatter_as_all_reduce:
+    return ALL_REDUCE  # then a slice
+  return kind
 
 
 def _staged_time(local_bytes: float, axes: tuple[str, ...], mesh: MeshSpec,
@@ -538,6 +565,11 @@ def _reshard(
   raise AssertionError(f"no reshard path from {src} to {dst}")  # unreachable
 
 
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+  """How many leading axes `a` and `b` share."""
+  return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _moves(state: _State, goal: _State, mesh: MeshSpec, profile: DeviceProfile, local_bytes):
   """Yields (next state, collective) for every step that makes progress.
 
@@ -559,9 +591,16 @@ def _moves(state: _State, goal: _State, mesh: MeshSpec, profile: DeviceProfile, 
   for i, axes in enumerate(dims):
     if not is_prefix[i]:
       # Gather the minor-most axis. Gathering several at once costs the same
-      # bytes with more α steps, so one at a time is never worse.
-      new = with_dim(dims, i, axes[:-1])
-      yield (new, partial), all_gather(local_bytes(new), axes[-1:], mesh, profile)
+      # bytes with more α steps, so one at a time is never worse, except where the
+      # compiler lowers a gather over many devices as an all-reduce: XLA emits one
+      # gather over every axis a dim sheds, so that is the only move there.
+      if math.isfinite(profile.all_gather_as_all_reduce_above):
+        shed = len(axes) - _common_prefix(axes, target[i])
+        new = with_dim(dims, i, axes[:-shed])
+        yield (new, partial), all_gather(local_bytes(new), axes[-shed:], mesh, profile)
+      else:
+        new = with_dim(dims, i, axes[:-1])
+        yield (new, partial), all_gather(local_bytes(new), axes[-1:], mesh, profile)
       for k in range(1, len(axes) + 1):
         moved = axes[-k:]
         for j, (other, want) in enumerate(zip(dims, target)):

@@ -43,11 +43,11 @@ from typing import Sequence
 
 
 from tapas_jax import _jax_internals as jx
-from tapas_jax.repeats import (ACCUMULATE, CONTRACTIONS, contracts, loop_trip,
-                               segment_by_structure)
+from tapas_jax import rules as ruleslib
+from tapas_jax.repeats import ACCUMULATE, contracts, loop_trip, segment_by_structure
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
-__all__ = ["Boundary", "Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
+__all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
 
 # Below this share of ops in layers found by names, structure is tried too, and it
 # takes over when its fold ratio beats the names' by this factor.
@@ -109,15 +109,6 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class Boundary:
-  """Values passed between two consecutive instances, in either direction."""
-
-  src: int
-  dst: int
-  values: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Folded:
   """The output of `fold`.
 
@@ -126,7 +117,6 @@ class Folded:
     unique_layers: the layers to search, in order of first appearance.
     instances: every layer instance, in program order.
     glue: the non-repeated segments.
-    boundaries: values between consecutive instances (for the chain DP).
     method: "names" or "structure": how instances were found.
     fold_s: seconds `fold` took.
   """
@@ -135,7 +125,6 @@ class Folded:
   unique_layers: tuple[UniqueLayer, ...]
   instances: tuple[LayerInstance, ...]
   glue: tuple[Segment, ...]
-  boundaries: tuple[Boundary, ...]
   method: str
   fold_s: float
 
@@ -179,43 +168,8 @@ class Folded:
 
 # -- name stacks -----------------------------------------------------------------
 
-_WRAPPER = re.compile(r"^[\w.\-]*\((.*)\)$")
-
-
-def scope_of(name_stack: str) -> tuple[str, ...]:
-  """Module path of a name stack, transforms and JAX's own scopes stripped.
-
-  The backward of a rematerialised block (`nn.remat`, `jax.checkpoint`) sits under its
-  call's stack twice, once transposed ("transpose(jvp(GPT))/jvp(GPT)/Block_1"), and
-  its recomputed forward also under "rematted_computation": both are the block's path.
-
-  >>> scope_of("transpose(jvp(GPT))/Block_1/MLP/fc2")
-  ('GPT', 'Block_1', 'MLP', 'fc2')
-  >>> scope_of("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/Block_1/MLP")
-  ('GPT', 'Block_1', 'MLP')
-  """
-  parts, wrapped = [], []
-  for comp in name_stack.split("/"):
-    was_wrapped = False
-    while (m := _WRAPPER.match(comp)) is not None:
-      comp, was_wrapped = m.group(1), True
-    if comp and comp not in jx.GENERATED_SCOPES:
-      parts.append(comp)
-      wrapped.append(was_wrapped)
-  return tuple(_drop_reentry(parts, wrapped))
-
-
-def _drop_reentry(parts: list[str], wrapped: list[bool]) -> list[str]:
-  """Drops a copy of the path's own prefix that restarts at a transformed component
-  (a transform wrapper mid-stack only comes from a call re-entering its stack)."""
-  k = 1
-  while 2 * k <= len(parts):
-    if wrapped[k] and parts[k:2 * k] == parts[:k]:
-      del parts[k:2 * k], wrapped[k:2 * k]
-      k = 1
-    else:
-      k += 1
-  return parts
+# A name stack's module path (its syntax is JAX's: parsed in `_jax_internals`).
+scope_of = jx.scope_of
 
 
 class _ScopeTree:
@@ -223,23 +177,25 @@ class _ScopeTree:
 
   def __init__(self, graph: Graph, ops: Sequence[Op]):
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
-    self.forward: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
     for op in ops:
       scope = _op_scope(graph, op)
       if loop_trip(graph, op):
         self.loops.add(scope)
-      # Layer identity is decided on forward ops: backward ops of the first and last
-      # copies differ by where shared cotangents get summed.
-      is_forward = "transpose(" not in op.name_stack
+      # Layer identity is decided on the ops that are not transposed (the forward, and
+      # any op outside differentiation: `jx.is_primal` would drop a layer applied with
+      # no gradient): backward ops of the first and last copies differ by where shared
+      # cotangents get summed.
+      untransposed = not jx.is_transposed(op.name_stack)
       for d in range(len(scope) + 1):
         prefix = scope[:d]
         if d and not self.subtree[prefix]:
           self.children[scope[:d - 1]].append(scope[d - 1])
         self.subtree[prefix].append(op.index)
-        if is_forward:
-          self.forward[prefix].append(op.index)
+        if untransposed:
+          self.untransposed[prefix].append(op.index)
 
 
 
@@ -272,7 +228,7 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
 
   def visit(node):
     kids = [node + (c,) for c in tree.children[node]]
-    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.forward[k] or tree.subtree[k]],
+    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.untransposed[k] or tree.subtree[k]],
                                    signature=blind)
            for k in kids if contracts(graph, tree.subtree[k])}
     counts = collections.Counter(fps.values())
@@ -293,18 +249,18 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   return layers, glue
 
 
-# Params that place a slice (or its transpose, a pad) in its operand. Blocks over one
-# stacked parameter (`stacked[i]`) differ only in them: the same computation on another
-# slice, so the same sharding.
-_OFFSET_PARAMS = {"slice": ("start_indices", "limit_indices"), "pad": ("padding_config",)}
 
 def _offset_blind(graph: Graph) -> dict[int, str]:
   """Op index -> signature blind to where a slice or pad sits (sizes kept), for the
-  slices and pads of `graph`; other ops keep `Op.signature`."""
+  slices and pads of `graph`; other ops keep `Op.signature`.
+
+  The params that place a slice (or its transpose, a pad) in its operand are the
+  primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
+  differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
   for op in graph.ops:
-    drop = _OFFSET_PARAMS.get(op.primitive)
-    if drop is None:
+    drop = ruleslib.facts(op.primitive).offset_params
+    if not drop:
       continue
     params = [(k, v) for k, v in op.params if k not in drop]
     if op.primitive == "pad":  # only how much each dim grows, not on which side
@@ -325,7 +281,7 @@ def _stack_trip(graph: Graph, ops: Sequence[int]) -> int:
   (chunked attention, a `fori_loop`) runs once per instance, however many times the
   loop inside it turns.
   """
-  if any(graph.ops[i].primitive in CONTRACTIONS for i in ops):
+  if any(ruleslib.facts(graph.ops[i].primitive).contracts for i in ops):
     return 1
   return max((loop_trip(graph, graph.ops[i]) for i in ops), default=0) or 1
 
@@ -507,7 +463,7 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
     use_names: try name stacks first; False forces structural detection.
 
   Returns:
-    `Folded`: unique layers, instances in program order, glue and boundaries.
+    `Folded`: unique layers, instances in program order, and glue.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -545,7 +501,7 @@ def _in_layers(folded: Folded) -> float:
 
 def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
             blind: dict[int, str]) -> Folded:
-  """Instances, unique layers, glue and boundaries from segmented scopes."""
+  """Instances, unique layers and glue from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
@@ -608,10 +564,5 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   if leftovers:
     glue_segments.append(Segment(name="", ops=tuple(leftovers)))
 
-  boundaries = []
-  for a, b in zip(instances, instances[1:]):
-    values = (set(a.outputs) & set(b.inputs)) | (set(b.outputs) & set(a.inputs))
-    boundaries.append(Boundary(src=a.index, dst=b.index, values=tuple(sorted(values))))
   return Folded(graph=graph, unique_layers=unique, instances=instances,
-                glue=tuple(glue_segments), boundaries=tuple(boundaries), method=method,
-                fold_s=time.perf_counter() - start)
+                glue=tuple(glue_segments), method=method, fold_s=time.perf_counter() - start)

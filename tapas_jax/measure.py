@@ -41,6 +41,8 @@ import dataclasses
 import re
 from typing import Any
 
+from tapas_jax import _jax_internals as jx
+
 __all__ = ["Compiled", "SLICED", "collective_bytes", "measure"]
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -364,11 +366,10 @@ def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True
       reduce-scatters).
   """
   mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()  # a dict on every jax line supported (0.10 - 0.12)
   return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices,
                                               reduce_scatter_creator),
                   argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes),
                   temp_bytes=int(mem.temp_size_in_bytes),
-                  flops=float((cost or {}).get("flops", 0.0)))
+                  flops=jx.cost_flops(compiled.cost_analysis()))

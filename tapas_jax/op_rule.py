@@ -1,8 +1,12 @@
 """The record a sharding rule returns (`OpRule`: an op as an einsum over dimension
-factors) and the registry of rules by primitive name (`RULES`, `register`).
+factors), what else the pipeline knows of a primitive (`Facts`: fusion, in place,
+contraction), and the registry of both by primitive name (`RULES`, `FACTS`,
+`register`, `facts`).
 
-The rules themselves, one per primitive, and their lookup (`rule_for`, strict mode)
-are in `tapas_jax.rules`, which fills `RULES` and re-exports these names.
+The rules themselves, one per primitive, with their facts beside them, and their
+lookup (`rule_for`, strict mode) are in `tapas_jax.rules`, which fills `RULES` and
+`FACTS` and re-exports these names. A primitive nobody registered gets the one
+conservative default, `DEFAULT_FACTS` (as it gets `default_rule`).
 
 Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
 indexes an operand but no result is in `reduce`; a `reduce` factor indexes no
@@ -22,8 +26,9 @@ import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["COMBINES", "RULES", "Dims", "Factors", "OpRule", "RuleFn", "Shape", "default_rule",
-           "elements", "norm_axis", "register", "unsplit"]
+__all__ = ["COMBINES", "DEFAULT_FACTS", "FACTS", "RULES", "Dims", "Factors", "Facts", "OpRule",
+           "RuleFn", "Shape", "default_rule", "elements", "facts", "norm_axis", "register",
+           "unsplit"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -175,24 +180,80 @@ def default_rule(in_shapes: Sequence[Shape], out_shapes: Sequence[Shape]) -> OpR
   return OpRule((), unsplit(in_shapes), unsplit(out_shapes))
 
 
-RULES: dict[str, RuleFn] = {}
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the memory model, the cost model, remat and folding know of a primitive
+  besides its sharding rule. The default (every field off) is the conservative one:
+  the result is written out to its own buffer and the op marks no layer.
 
-
-def register(*primitives: str) -> Callable[[RuleFn], RuleFn]:
-  """Decorator: registers a rule function for the named primitives.
+  Attributes:
+    fusible: XLA fuses it into its readers (loop fusion) rather than writing its
+      result out: elementwise maps and data movement.
+    expensive: fusible, but XLA does not duplicate it into several readers (its
+      `IsExpensive` list: transcendental ops): with more than one reader its result
+      is written out.
+    fusion_root: a reduction a fusible op fuses into; its own result is written.
+    in_place: XLA runs it in place: the result takes over the buffer of operand 0
+      when that is its last use (a scatter into zeros, a dynamic update).
+    contracts: a dot or a convolution: a repeated scope that has one is a layer, a
+      stacked instance with one is no scanned stack, and `dots_saveable` keeps its
+      result.
+    copies: an identity copy of its operand (JAX's marks on the residuals a user's
+      remat saves).
+    offset_params: params that place a slice (or a pad) in its operand: blocks over
+      one stacked parameter differ only in them.
 
   Example:
-    >>> @register("my_replicated")
+    >>> from tapas_jax import rules  # registers the rules and their facts
+    >>> rules.facts("dot_general").contracts, rules.facts("no_such_primitive") == DEFAULT_FACTS
+    (True, True)
+  """
+
+  fusible: bool = False
+  expensive: bool = False
+  fusion_root: bool = False
+  in_place: bool = False
+  contracts: bool = False
+  copies: bool = False
+  offset_params: tuple[str, ...] = ()
+
+
+DEFAULT_FACTS = Facts()
+
+RULES: dict[str, RuleFn] = {}
+FACTS: dict[str, Facts] = {}
+
+
+def facts(primitive: str) -> Facts:
+  """The facts registered for a primitive, or `DEFAULT_FACTS` for one nobody
+  registered (a new JAX primitive, a custom call).
+
+  Example:
+    >>> facts("some_new_primitive").fusible
+    False
+  """
+  return FACTS.get(primitive, DEFAULT_FACTS)
+
+
+def register(*primitives: str, facts: Facts = DEFAULT_FACTS
+             ) -> Callable[[RuleFn], RuleFn]:
+  """Decorator: registers a rule function, and the primitives' facts, for the named
+  primitives.
+
+  Example:
+    >>> @register("my_replicated", facts=Facts(fusible=True))
     ... def _replicated(params, ins, outs):
     ...   return default_rule(ins, outs)
-    >>> RULES["my_replicated"]({}, [(4,)], [(4,)]).einsum()
-    '_->_'
-    >>> del RULES["my_replicated"]
+    >>> RULES["my_replicated"]({}, [(4,)], [(4,)]).einsum(), FACTS["my_replicated"].fusible
+    ('_->_', True)
+    >>> del RULES["my_replicated"], FACTS["my_replicated"]
   """
+  known = facts
 
   def deco(fn: RuleFn) -> RuleFn:
     for name in primitives:
       RULES[name] = fn
+      FACTS[name] = known
     return fn
 
   return deco

@@ -83,6 +83,30 @@ class DeviceProfile:
       norm's output and the logits' cotangent are never written; BENCHMARKS.md
       "Predicted vs TPU-compiled memory at real scale"); XLA:CPU and the GPU
       profiles are modelled without it.
+    all_gather_as_all_reduce_above: the largest replica group the compiler runs an
+      all-gather over as one; over more devices it writes the shard into a zero-filled
+      buffer of the gathered size (`dynamic-update-slice`) and all-reduces that: an
+      all-reduce's ring, twice the bytes and steps. The TPU compiler does so over more
+      than 32 chips (libtpu 0.0.42.1 and 0.0.50.1: a gather over 64 chips of v5p:4x4x4,
+      v5e:8x8 or v6e:8x8 is an all-reduce, over 32 of v5p:4x4x2 or v5e:4x8 an
+      all-gather, whatever the dim, dtype or loop; BENCHMARKS.md "How the TPU compiler
+      lowers a gather"). Unbounded elsewhere.
+    reduce_scatter_as_all_reduce: whether the compiler leaves a partial sum read as
+      1/n slices an all-reduce of the whole value and slices it, sending an
+      all-reduce's bytes where a reduce-scatter sends half. The TPU compiler does (the
+      same libtpu versions: no reduce-scatter formed, at any size or group, in HLO
+      where XLA:GPU forms one). The memory model's `reduce_scatter` is a separate
+      field; cost.py prices only the collective with this one.
+    gathers_dot_operands_in_bf16: whether the compiler gathers an f32 value read only
+      by dots at DEFAULT precision in bf16: it runs such a dot as one bf16 pass
+      (`peak_flops_f32`) and converts the shard before the gather, half the bytes. The
+      TPU compiler does (the same libtpu versions: FSDP's f32 kernels of the tiny zoo
+      gathered as bf16, its f32 norm scales and embedding table as f32).
+    reassociates_all_reduces: whether the compiler adds partial sums before reducing
+      them, one all-reduce of the sum where each operand would have had its own (XLA's
+      all-reduce reassociation). The TPU compiler does (the same libtpu versions:
+      Megatron's backward sums the partial input gradients of q, k and v, of gate and
+      up, and a tied embedding's two gradients, then reduces once); XLA:CPU does not.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -105,6 +129,10 @@ class DeviceProfile:
   reductions_duplicate: bool = True
   combine_threshold_bytes: float = 30 * 2**20
   dot_operand_fusion: bool = False
+  all_gather_as_all_reduce_above: float = math.inf
+  reduce_scatter_as_all_reduce: bool = False
+  gathers_dot_operands_in_bf16: bool = False
+  reassociates_all_reduces: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -114,6 +142,10 @@ class DeviceProfile:
     """α in seconds per ring step on an "intra" or "inter" link."""
     return self.intra_latency_s if check_link(link) == INTRA else self.inter_latency_s
 
+
+# How the TPU compiler lowers collectives (the fields' doc): one compiler, every generation.
+_TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all_reduce=True,
+                        gathers_dot_operands_in_bf16=True, reassociates_all_reduces=True)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -144,6 +176,7 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_host=4,
         intra_domain_size=4096,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
+        **_TPU_COLLECTIVES,
     ),
     "tpu-v5e": DeviceProfile(
         name="tpu-v5e",
@@ -165,6 +198,7 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_host=8,
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
+        **_TPU_COLLECTIVES,
     ),
     "tpu-v5p": DeviceProfile(
         name="tpu-v5p",
@@ -186,6 +220,7 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_host=4,
         intra_domain_size=6144,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
+        **_TPU_COLLECTIVES,
     ),
     "tpu-v6e": DeviceProfile(
         name="tpu-v6e",
@@ -209,6 +244,7 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_host=8,
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
+        **_TPU_COLLECTIVES,
     ),
     "a100": DeviceProfile(
         name="a100",
@@ -289,14 +325,17 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
-# The DeviceProfile fields that describe its compiler's memory layout, not the chip.
+# The DeviceProfile fields that describe its compiler (memory layout, how collectives are
+# lowered), not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
-                    "combine_threshold_bytes", "dot_operand_fusion")
+                    "combine_threshold_bytes", "dot_operand_fusion",
+                    "all_gather_as_all_reduce_above", "reduce_scatter_as_all_reduce",
+                    "gathers_dot_operands_in_bf16", "reassociates_all_reduces")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:
-  """A profile's figures with XLA:CPU's memory layout: to compare a plan's predicted
-  memory with what a CPU mesh standing in for that device compiles it to.
+  """A profile's figures with XLA:CPU's memory layout and collectives: to compare a plan's
+  predictions with what a CPU mesh standing in for that device compiles it to.
 
   Example:
     >>> compiled_by_xla_cpu("h100").name, compiled_by_xla_cpu("h100").reduce_scatter

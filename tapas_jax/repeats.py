@@ -28,16 +28,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["ACCUMULATE", "CONTRACTIONS", "MIN_PERIOD", "contracts", "loop_trip",
+__all__ = ["ACCUMULATE", "MIN_PERIOD", "contracts", "loop_trip",
            "segment_by_structure"]
 
 # Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
 MIN_PERIOD = 3
-# A repeated scope is a layer only if it contracts something: repeated layer norms or
-# casts are cheap glue, not a sharding decision worth folding.
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # The AD accumulation primitive: sums of cotangents at an instance's edge.
 ACCUMULATE = "add_any"
 # Phases tried when cutting a periodic span into units.
@@ -49,8 +47,10 @@ _MAX_PERIODS = 256
 
 
 def contracts(graph: Graph, ops: Iterable[int]) -> bool:
-  """Whether any of `ops` contracts (a dot, a convolution) or holds a loop or branch."""
-  return any(graph.ops[i].primitive in CONTRACTIONS or graph.ops[i].subregions
+  """Whether any of `ops` contracts (a dot, a convolution: `Facts.contracts`) or holds
+  a loop or branch. A repeated scope is a layer only if it contracts something:
+  repeated layer norms or casts are cheap glue, not a sharding decision worth folding."""
+  return any(ruleslib.facts(graph.ops[i].primitive).contracts or graph.ops[i].subregions
              for i in ops)
 
 

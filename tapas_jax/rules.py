@@ -35,6 +35,12 @@ objects (dimension numbers) are read only through the parsers of
 `tapas_jax._jax_internals` (`jx.gather_dims(params)`, ...).
 A primitive without a rule is kept replicated, with one warning.
 
+Beside each rule, `register(..., facts=Facts(...))` states what else the pipeline
+knows of the primitive: whether XLA fuses it into its readers, runs it in place, or
+whether it contracts (`tapas_jax.op_rule.Facts`). Callers ask `facts(primitive)`;
+a primitive nobody registered gets `DEFAULT_FACTS` (written out, its own buffer, no
+contraction).
+
 A rule that fails (raises) on an equation also leaves it replicated with one warning,
 so one odd equation cannot stop a search. To see the failure instead, turn on strict
 mode: `with rules.strict_rules(): ...`, or set the environment variable
@@ -65,15 +71,16 @@ from typing import Any
 
 from tapas_jax import _jax_internals as jx
 # The record and the registry; their names stay importable from here.
-from tapas_jax.op_rule import (COMBINES, RULES, Dims, OpRule, RuleFn, Shape,  # noqa: F401
-                               default_rule, register)
+from tapas_jax.op_rule import (COMBINES, DEFAULT_FACTS, FACTS, RULES, Dims, Facts,  # noqa: F401
+                               OpRule, RuleFn, Shape, default_rule, facts, register)
 from tapas_jax.op_rule import Factors as _Factors
 from tapas_jax.op_rule import elements as _size
 from tapas_jax.op_rule import norm_axis as _norm_axis
 from tapas_jax.op_rule import unsplit as _unsplit
 
-__all__ = ["ELEMENTWISE", "IDENTITY", "OpRule", "RULES", "STRICT_ENV", "Shape", "default_rule",
-           "is_strict", "register", "rule_for", "rule_of", "strict_rules"]
+__all__ = ["DEFAULT_FACTS", "ELEMENTWISE", "FACTS", "Facts", "IDENTITY", "OpRule", "RULES",
+           "STRICT_ENV", "Shape", "default_rule", "facts", "is_strict", "register", "rule_for",
+           "rule_of", "strict_rules"]
 
 
 # -- elementwise and identity-like ------------------------------------------------
@@ -88,36 +95,52 @@ def _aligned(shape: Shape, ref: Shape, ref_dims: Dims) -> Dims:
                for d, size in enumerate(shape))
 
 
+# Elementwise maps XLA fuses into their readers and duplicates into each of them.
 _ELEMENTWISE = (
-    # arithmetic and math
-    "abs", "acos", "acosh", "add", "add_any", "asin", "asinh", "atan", "atan2", "atanh",
-    "cbrt", "ceil", "clamp", "complex", "conj", "cos", "cosh", "div", "exp", "exp2",
-    "expm1", "floor", "imag", "integer_pow", "is_finite", "log", "log1p", "logistic",
-    "max", "min", "mul", "mulhi", "neg", "nextafter", "pow", "real", "reduce_precision",
-    "rem", "round", "rsqrt", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
-    "tanh",
+    # arithmetic
+    "abs", "add", "add_any", "ceil", "clamp", "complex", "conj", "floor", "imag",
+    "integer_pow", "is_finite", "max", "min", "mul", "mulhi", "neg", "nextafter", "real",
+    "round", "sign", "square", "sub",
     "one_minus_square",  # jax >= 0.11: the derivative of tanh, 1 - x**2
-    # special functions
-    "bessel_i0e", "bessel_i1e", "digamma", "erf", "erf_inv", "erfc", "igamma",
-    "igamma_grad_a", "igammac", "lgamma", "polygamma", "regularized_incomplete_beta",
-    "zeta", "random_gamma_grad",
+    "igamma_grad_a",
     # comparisons, logic, bits
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
     "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
     # selection and conversion
     "select_n", "convert_element_type", "bitcast_convert_type",
+)
+# Elementwise maps XLA fuses but does not duplicate into several readers (its
+# IsExpensive list): math and special functions.
+_TRANSCENDENTAL = (
+    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "cos", "cosh",
+    "div", "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "rem", "rsqrt",
+    "sin", "sinh", "sqrt", "tan", "tanh",
+    "bessel_i0e", "bessel_i1e", "digamma", "erf", "erf_inv", "erfc", "igamma", "igammac",
+    "lgamma", "polygamma", "regularized_incomplete_beta", "zeta", "random_gamma_grad",
     # counter-based RNG is elementwise in its counters, so dropout masks can shard
     "threefry2x32",
 )
-# Same maps, but pure data movement (no FLOPs).
-_IDENTITY = ("copy", "copy_p", "stop_gradient", "optimization_barrier", "device_put",
-             "sharding_constraint", "pvary",
+# Same maps, but pure data movement (no FLOPs); these three copy their operand (the
+# marks JAX puts on the residuals a user's remat saves), as reduce_precision does.
+_COPIES = ("copy", "copy_p", "optimization_barrier")
+_IDENTITY = ("stop_gradient", "device_put", "sharding_constraint", "pvary",
              "name")  # `jax.ad_checkpoint.checkpoint_name`: tags a value for remat policies
-# Public names: the memory model fuses these into their readers as XLA does.
-ELEMENTWISE, IDENTITY = _ELEMENTWISE, _IDENTITY
+# Public names: every elementwise and every identity-like primitive.
+ELEMENTWISE = _ELEMENTWISE + _TRANSCENDENTAL + ("reduce_precision",)
+IDENTITY = _COPIES + _IDENTITY
+
+# Facts shared by groups of rules (`Facts`; the default: written out, own buffer).
+_FUSES = Facts(fusible=True)
+_FUSES_ONCE = Facts(fusible=True, expensive=True)
+_COPY = Facts(fusible=True, copies=True)
+_ROOT = Facts(fusion_root=True)
+_IN_PLACE = Facts(in_place=True)
+_CONTRACTS = Facts(contracts=True)
 
 
-@register(*_ELEMENTWISE)
+@register(*_ELEMENTWISE, facts=_FUSES)
+@register(*_TRANSCENDENTAL, facts=_FUSES_ONCE)
+@register("reduce_precision", facts=_COPY)
 def _elementwise(params, ins, outs, flops: bool = True) -> OpRule:
   """One factor per output dim; broadcast (size-1) and scalar operand dims stay None."""
   del params
@@ -137,7 +160,8 @@ def _polynomial(params, ins, outs) -> OpRule:
   return dataclasses.replace(rule, flops=2 * max(len(ins) - 1, 1) * _size(outs[0]))
 
 
-@register(*_IDENTITY)
+@register(*_IDENTITY, facts=_FUSES)
+@register(*_COPIES, facts=_COPY)
 def _identity(params, ins, outs) -> OpRule:
   """Operand i flows to result i unchanged (optimization_barrier has several)."""
   if len(ins) == len(outs) and all(a == b for a, b in zip(ins, outs)):
@@ -150,7 +174,7 @@ def _identity(params, ins, outs) -> OpRule:
 # -- contractions -----------------------------------------------------------------
 
 
-@register("dot_general")
+@register("dot_general", facts=_CONTRACTS)
 def _dot_general(params, ins, outs) -> OpRule:
   """Batch factors on both sides and the result, free factors, contracting = reduce.
 
@@ -179,7 +203,7 @@ def _dot_general(params, ins, outs) -> OpRule:
   return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
 
 
-@register("conv_general_dilated")
+@register("conv_general_dilated", facts=_CONTRACTS)
 def _conv(params, ins, outs) -> OpRule:
   """Batch and output features pass, input features are contracted, spatial unsplit.
 
@@ -219,7 +243,7 @@ def _conv(params, ins, outs) -> OpRule:
 # -- shape ops --------------------------------------------------------------------
 
 
-@register("broadcast_in_dim")
+@register("broadcast_in_dim", facts=_FUSES)
 def _broadcast_in_dim(params, ins, outs) -> OpRule:
   """Operand dims map via broadcast_dimensions; new and expanded dims are output-only."""
   out = outs[0]
@@ -256,7 +280,7 @@ def _reshape_blocks(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]] | N
   return blocks if i == len(ia) and j == len(ib) else None
 
 
-@register("reshape")
+@register("reshape", facts=_FUSES)
 def _reshape(params, ins, outs) -> OpRule:
   """Only the major-most dim of each block of merged/split dims can be split.
 
@@ -281,7 +305,7 @@ def _reshape(params, ins, outs) -> OpRule:
   return f.rule([in_dims] + list(_unsplit(ins[1:])), [out_dims])
 
 
-@register("transpose")
+@register("transpose", facts=_FUSES)
 def _transpose(params, ins, outs) -> OpRule:
   perm = tuple(params["permutation"])
   f = _Factors()
@@ -289,7 +313,7 @@ def _transpose(params, ins, outs) -> OpRule:
   return f.rule([in_dims], [tuple(in_dims[p] for p in perm)])
 
 
-@register("squeeze")
+@register("squeeze", facts=_FUSES)
 def _squeeze(params, ins, outs) -> OpRule:
   rank = len(ins[0])
   gone = {_norm_axis(d, rank) for d in params["dimensions"]}
@@ -298,7 +322,7 @@ def _squeeze(params, ins, outs) -> OpRule:
   return f.rule([in_dims], [tuple(x for d, x in enumerate(in_dims) if d not in gone)])
 
 
-@register("expand_dims")
+@register("expand_dims", facts=_FUSES)
 def _expand_dims(params, ins, outs) -> OpRule:
   rank = len(outs[0])
   new = {_norm_axis(d, rank) for d in params["dimensions"]}
@@ -346,7 +370,7 @@ def _tile(params, ins, outs) -> OpRule:
   return f.rule([in_dims], [out_dims])
 
 
-@register("iota")
+@register("iota", facts=_FUSES)
 def _iota(params, ins, outs) -> OpRule:
   """Output-only factors: each device writes its own slice of the ramp."""
   del params
@@ -398,7 +422,7 @@ def _top_k(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [axis], ins[0], flops=flops)
 
 
-@register("concatenate")
+@register("concatenate", facts=_FUSES)
 def _concatenate(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [params["dimension"]], outs[0])
 
@@ -408,12 +432,12 @@ def _split(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [params["axis"]], ins[0])
 
 
-@register("rev")
+@register("rev", facts=_FUSES)
 def _rev(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, params["dimensions"], ins[0])
 
 
-@register("pad")
+@register("pad", facts=Facts(fusible=True, offset_params=("padding_config",)))
 def _pad(params, ins, outs) -> OpRule:
   """Padded dims (any low, high or interior padding, negative included) stay whole."""
   config = params["padding_config"]
@@ -421,14 +445,16 @@ def _pad(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, padded, ins[0])
 
 
-@register("slice")
+@register("slice", facts=Facts(fusible=True,
+                                  offset_params=("start_indices", "limit_indices")))
 def _slice(params, ins, outs) -> OpRule:
   """Dims the slice cuts (size changes) stay whole; the size check pins them."""
   del params
   return _pass_except(ins, outs, [], ins[0])
 
 
-@register("dynamic_slice", "dynamic_update_slice")
+@register("dynamic_slice", facts=_FUSES)
+@register("dynamic_update_slice", facts=_IN_PLACE)
 def _dynamic_slice(params, ins, outs) -> OpRule:
   """Dims where the slice (or update) is smaller than the operand stay whole."""
   del params
@@ -488,10 +514,12 @@ _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
                "reduce_prod": "prod", "reduce_and": "and", "reduce_or": "or",
                "reduce_xor": "xor"}
 for _name, _combine in _REDUCTIONS.items():
-  register(_name)(functools.partial(_reduction, combine=_combine))
+  # A fusible op fuses into a reduction (the fusion's root); not into reduce_xor.
+  register(_name, facts=DEFAULT_FACTS if _name == "reduce_xor" else _ROOT)(
+      functools.partial(_reduction, combine=_combine))
 
 
-@register("argmax", "argmin")
+@register("argmax", "argmin", facts=_ROOT)
 def _arg_reduction(params, ins, outs) -> OpRule:
   """The searched dim stays whole: partial (value, index) pairs are not a sum."""
   return _reduction(params, ins, outs, None)
@@ -589,8 +617,10 @@ def _scatter(params, ins, outs, summing: bool) -> OpRule:
                 flops=_size(updates) if summing else 0)
 
 
-register("scatter-add", "scatter-sub")(functools.partial(_scatter, summing=True))
-register("scatter", "scatter-mul", "scatter-min", "scatter-max")(
+# scatter-sub is not in place (the memory model counts its operand and result apart).
+register("scatter-add", facts=_IN_PLACE)(functools.partial(_scatter, summing=True))
+register("scatter-sub")(functools.partial(_scatter, summing=True))
+register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE)(
     functools.partial(_scatter, summing=False))
 
 

@@ -7,7 +7,8 @@ remat: one sub-jaxpr whose types match the call) are inlined, so a layer looks t
 same whether or not someone wrapped it in `jax.jit`. Loops and branches (`scan`,
 `while`, `cond`) stay as one op each, with their bodies in nested `Region`s; a scan
 keeps its trip count. Sub-jaxprs are found by type in equation params, not by a list
-of primitive names.
+of primitive names. The walk itself (equation order and sites, what is inlined) is
+`_jax_internals.walk_eqns`, shared with `apply`, which re-runs the program by it.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -379,18 +380,6 @@ def _digest(text: str) -> str:
 # -- the walk ---------------------------------------------------------------------
 
 
-def is_call_like(eqn: Any, sub: Any) -> bool:
-  """Whether an equation only calls its one sub-jaxpr (jit, custom_jvp/vjp, remat):
-  same operand and result types, no trip count. Such calls are inlined."""
-  if jx.trip_count(eqn) is not None:
-    return False
-  body, _ = jx.open_jaxpr(sub)
-  if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
-    return False
-  return (all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.invars, eqn.invars))
-          and all(jx.aval_of(a) == jx.aval_of(b) for a, b in zip(body.outvars, eqn.outvars)))
-
-
 class _Walker:
   """Builds the flat op list; one instance per `trace` call."""
 
@@ -421,15 +410,14 @@ class _Walker:
     return env[atom]
 
   def walk(self, jaxpr: Any, env: dict, region: int, stack: str, site: tuple) -> None:
-    for i, eqn in enumerate(jaxpr.eqns):
+    for here, eqn, subs, call in jx.walk_eqns(jaxpr, site):
       inner = jx.name_stack(eqn)
       full = f"{stack}/{inner}" if stack and inner else (stack or inner)
       inputs = tuple(self.read(env, a) for a in eqn.invars)
-      subs = list(jx.sub_jaxprs(eqn))
-      if len(subs) == 1 and is_call_like(eqn, subs[0][2]):
-        self._inline(eqn, subs[0], inputs, env, region, full, site + (i,))
+      if call is not None:
+        self._inline(eqn, call, inputs, env, region, full, here)
         continue
-      self._emit(eqn, subs, inputs, env, region, full, site + (i,))
+      self._emit(eqn, subs, inputs, env, region, full, here)
 
   def _bind_consts(self, body: Any, consts: tuple, env: dict) -> None:
     for var, _ in zip(body.constvars, consts):

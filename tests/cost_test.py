@@ -59,13 +59,19 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   assert on_cpu.name == "tpu-v5p on XLA:CPU"
   layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
                        p.reductions_duplicate, p.combine_threshold_bytes,
-                       p.dot_operand_fusion)
-  assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False)
-  assert layout(base) == (True, False, True, 30 * 2**20, True)
+                       p.dot_operand_fusion, p.all_gather_as_all_reduce_above,
+                       p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16,
+                       p.reassociates_all_reduces)
+  assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
+                                           False, False, False)
+  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
-                             dot_operand_fusion=True) == base
+                             dot_operand_fusion=True, all_gather_as_all_reduce_above=32,
+                             reduce_scatter_as_all_reduce=True,
+                             gathers_dot_operands_in_bf16=True,
+                             reassociates_all_reduces=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 
@@ -435,3 +441,45 @@ def test_an_unknown_generation_is_named():
 def test_v6e_is_the_memory_the_tpu_compiler_reports():
   v6e = cost.get_profile("tpu-v6e")
   assert v6e.hbm_bytes == 31.25 * 2**30 and v6e.peak_flops == 918e12
+
+
+# How the TPU compiler lowers collectives (tests/measure_test.py compiles it): a gather
+# over more than 32 chips and every reduce-scatter are all-reduces of the same buffer.
+@pytest.mark.parametrize("profile,kind,axes,sent_as,factor", [
+    ("tpu-v5p", "all-gather", ("data", "model"), "all-reduce", 2),  # 64 chips
+    ("tpu-v5p", "all-gather", ("model",), "all-gather", 1),  # 8
+    ("tpu-v6e", "all-gather", ("data", "model"), "all-reduce", 2),
+    ("tpu-v5p", "reduce-scatter", ("model",), "all-reduce", 2),
+    ("tpu-v5p", "all-to-all", ("data", "model"), "all-to-all", 1),
+    ("h100", "all-gather", ("data", "model"), "all-gather", 1),
+    ("h100", "reduce-scatter", ("model",), "reduce-scatter", 1),
+    ("cpu", "all-gather", ("data", "model"), "all-gather", 1),
+])
+def test_a_collective_is_priced_as_the_compiler_lowers_it(profile, kind, axes, sent_as, factor):
+  mesh = cost.MeshSpec(("data", "model"), (8, 8), ("intra", "intra"))
+  price = {"all-gather": cost.all_gather, "reduce-scatter": cost.reduce_scatter,
+           "all-to-all": cost.all_to_all}[kind]
+  c = price(2**20, axes, mesh, profile)
+  n = mesh.group_size(axes)
+  assert c.kind == kind and c.sent_as == sent_as
+  assert c.bytes_sent_per_device == pytest.approx(factor * (n - 1) / n * 2**20)
+  ar = cost.all_reduce(2**20, axes, mesh, profile)
+  if sent_as == "all-reduce":
+    assert c.time_s == pytest.approx(ar.time_s)
+  elif kind != "all-to-all":  # one ring, not two
+    assert c.time_s < ar.time_s
+
+
+@pytest.mark.parametrize("profile,steps", [
+    ("tpu-v5p", [("all-gather", ("data", "model"), "all-reduce")]),  # one gather, as XLA's
+    ("h100", [("all-gather", ("model",), "all-gather"),
+              ("all-gather", ("data",), "all-gather")]),
+])
+def test_a_dim_sheds_its_axes_in_one_gather_where_the_compiler_lowers_big_ones(profile, steps):
+  mesh = cost.mesh_spec({"data": 8, "model": 8}, profile)
+  got = cost.reshard((1024, 1024), 4, cost.Layout((("data", "model"), ())),
+                     cost.Layout.replicated(2), mesh, profile)
+  assert [(c.kind, c.axes, c.sent_as) for c in got] == steps
+  flat = 63 / 64 * 4 * 2**20
+  assert sum(c.bytes_sent_per_device for c in got) == pytest.approx(
+      flat * (2 if steps[0][2] == "all-reduce" else 1))

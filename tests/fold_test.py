@@ -1,4 +1,4 @@
-"""fold: layer instances, unique layers, glue and boundaries, with and without names."""
+"""fold: layer instances, unique layers and glue, with and without names."""
 
 import functools
 import re
@@ -332,14 +332,6 @@ def test_layers_differing_only_in_values_fold_together():
                                      for i, p in enumerate(blocks)])
   f = fold(trace(net, concrete, jnp.ones((8, 16))))
   assert layer_shape(f) == [(n, n)]
-
-
-def test_boundaries_carry_the_residual_stream():
-  f = fold(train_graph("gpt", num_layers=4))
-  assert len(f.boundaries) == 3
-  for b in f.boundaries:
-    shapes = {f.graph.types[v].shape for v in b.values}
-    assert (2, 32, 64) in shapes  # (batch, seq, d_model): activations and cotangents
 
 
 def test_summary_reports_layers_and_ratio():

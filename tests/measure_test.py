@@ -1,12 +1,17 @@
 """measure: collective bytes read off partitioned HLO, with the cost model's ring accounting."""
 
+import importlib
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tapas_jax as tapas
-from tapas_jax import measure
+from tapas_jax import baselines, cost, measure, models, profiles
+
+verifylib = importlib.import_module("tapas_jax.verify")  # tapas.verify is the function
 
 # One HLO line per case, in the forms XLA prints (Shardy mesh groups, iota groups,
 # explicit groups, tuples, async starts), and the bytes each device sends.
@@ -237,3 +242,112 @@ def test_a_tpu_loop_s_trip_count_is_read_from_its_condition():
   ])
   got = measure.collective_bytes(text, num_devices=4)
   assert got["all-gather"] == pytest.approx(5 * 3 / 4 * 8 * 4)  # i = 1 .. 5
+
+
+# -- how the TPU compiler lowers collectives (libtpu ahead of time, no TPU attached) -------
+
+
+@pytest.fixture
+def libtpu():
+  return pytest.importorskip(
+      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
+      "compiler tests are skipped")
+
+
+def _tpu_compile(topology, sizes, fn, in_spec, out_spec, *shapes, mesh=None):
+  mesh = mesh or verifylib.tpu_mesh(topology, dict(zip(("data", "model"), sizes)))
+  sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+  jf = jax.jit(fn, in_shardings=tuple(sh(s) for s in in_spec), out_shardings=sh(out_spec))
+  return jf.lower(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).compile().as_text()
+
+
+def _kinds(text):
+  return [(m.group(2), m.group(1).split("{")[0]) for m in re.finditer(
+      r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(", text)]
+
+
+BOTH = ("data", "model")
+
+
+@pytest.mark.parametrize("topology,sizes,axes,dim,kind", [
+    ("v5p:4x4x4", (8, 8), BOTH, 0, "all-reduce"),  # 64 chips: a zero-filled buffer reduced
+    ("v5p:4x4x4", (8, 8), BOTH, 1, "all-reduce"),
+    ("v5e:8x8", (8, 8), BOTH, 0, "all-reduce"),
+    ("v5p:4x4x4", (8, 8), "model", 0, "all-gather"),
+    ("v5p:4x4x2", (1, 32), BOTH, 1, "all-gather"),  # 32 chips: still a gather
+    ("v5p:2x2x1", (2, 2), BOTH, 0, "all-gather"),
+])
+def test_the_tpu_compiler_gathers_over_more_than_32_chips_as_an_all_reduce(
+    libtpu, topology, sizes, axes, dim, kind):
+  spec = P(*[axes if d == dim else None for d in range(2)])
+  text = _tpu_compile(topology, sizes, lambda x: jnp.sin(x) * 2, (spec,), P(),
+                      ((1024, 1024), jnp.float32))
+  assert _kinds(text) == [(kind, "f32[1024,1024]")]
+  n = 1
+  for a in (axes,) if isinstance(axes, str) else axes:
+    n *= dict(zip(BOTH, sizes))[a]
+  mesh = cost.MeshSpec(BOTH, sizes, ("intra", "intra"))
+  modelled = cost.all_gather(4 * 2**20, axes, mesh, profiles.profile_for_topology(topology))
+  assert modelled.sent_as == kind
+  sent = measure.collective_bytes(text, n, reduce_scatter_creator=False)["total"]
+  assert sent == pytest.approx(modelled.bytes_sent_per_device)
+
+
+@pytest.mark.parametrize("topology,sizes", [("v5p:2x2x1", (2, 2)), ("v5p:4x4x4", (8, 8))])
+def test_the_tpu_compiler_reduces_a_split_partial_sum_as_an_all_reduce(libtpu, topology, sizes):
+  text = _tpu_compile(topology, sizes, lambda x: x.sum(0), (P(BOTH, None),), P(BOTH),
+                      ((64, 1 << 20), jnp.float32))
+  assert _kinds(text) == [("all-reduce", "f32[1048576]")]  # whole, then a dynamic-slice
+  assert "dynamic-slice(" in text
+  n = sizes[0] * sizes[1]
+  mesh = cost.MeshSpec(BOTH, sizes, ("intra", "intra"))
+  modelled = cost.reduce_scatter(4 * 2**20, BOTH, mesh, profiles.profile_for_topology(topology))
+  sent = measure.collective_bytes(text, n, reduce_scatter_creator=False)["total"]
+  assert sent == pytest.approx(modelled.bytes_sent_per_device) == 2 * (n - 1) / n * 4 * 2**20
+
+
+def test_the_tpu_compiler_gathers_an_f32_dot_operand_in_bf16(libtpu):
+  mesh = verifylib.tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})
+  whole = NamedSharding(mesh, P())
+
+  def f(w, x):  # f32 kernels stored split, each gathered inside the layer loop
+    def body(h, wi):
+      return jnp.tanh(h @ jax.lax.with_sharding_constraint(wi, whole)), None
+    return jax.lax.scan(body, x, w)[0].sum()
+
+  text = _tpu_compile("v5p:2x2x1", (2, 2), f, (P(None, None, "data"), P()), P(),
+                      ((4, 512, 512), jnp.float32), ((64, 512), jnp.float32), mesh=mesh)
+  assert _kinds(text) == [("all-gather", "bf16[1,512,512]")]
+  assert profiles.get_profile("tpu-v5p").gathers_dot_operands_in_bf16
+  assert not profiles.get_profile("h100").gathers_dot_operands_in_bf16
+
+
+# The zoo's tiny train steps: the cost model's bytes sent per device against the compiled
+# TPU HLO's collectives, as compiled (BENCHMARKS.md "How the TPU compiler lowers
+# collectives"). "tapas" is the search under a budget that makes it split the model.
+@pytest.mark.parametrize("family,layout,topology,sizes", [
+    ("llama", "fsdp", "v5p:2x2x1", (2, 2)),  # f32 kernels gathered in bf16
+    ("llama", "data_parallel", "v5p:2x2x1", (2, 2)),
+    ("llama", "megatron", "v5p:2x2x1", (2, 2)),  # q/k/v input gradients reduced once
+    ("gpt", "data_parallel", "v5p:2x2x1", (2, 2)),  # the tied embedding's two gradients
+    ("llama", "tapas", "v5p:2x2x1", (2, 2)),
+    ("llama", "fsdp", "v5p:4x4x4", (8, 8)),  # gathers over 64 chips: all-reduces
+    ("gpt", "megatron", "v5p:4x4x4", (8, 8)),
+])
+def test_predicted_bytes_sent_agree_with_the_tpu_compiler(libtpu, family, layout, topology,
+                                                          sizes):
+  m = models.get_model(family, "tiny")
+  n = sizes[0] * sizes[1]
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(max(8, n)))
+  axes = dict(zip(BOTH, sizes))
+  device = profiles.profile_for_topology(topology)
+  if layout == "tapas":
+    plan = tapas.search(*args, mesh=axes, device=device, memory_budget="2MiB")
+  else:
+    plan = baselines.baseline(layout, *args, mesh=axes, family=family, device=device)
+  mesh = verifylib.tpu_mesh(topology, axes)
+  text = tapas.apply(plan, args[0], mesh=mesh, donate_argnums=0).lower(
+      *args[1:]).compile().as_text()
+  sent = measure.collective_bytes(text, n, reduce_scatter_creator=False)["total"]
+  assert sent > 0
+  assert plan.stats.predicted_comm_bytes == pytest.approx(sent, rel=0.10)

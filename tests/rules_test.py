@@ -400,6 +400,56 @@ def test_op_rule_rejects_input_only_factors():
     OpRule((4,), inputs=((0,),), outputs=((0,),), reduce=(0,))
 
 
+def test_every_registered_rule_has_its_facts():
+  assert set(rules.FACTS) == set(rules.RULES)
+  assert all(isinstance(f, rules.Facts) for f in rules.FACTS.values())
+
+
+def test_an_unknown_primitive_gets_the_conservative_default():
+  # Written out to its own buffer, fused into nothing, no contraction: the memory
+  # model counts all of it, folding takes no layer from it.
+  assert rules.facts("no_such_primitive") is rules.DEFAULT_FACTS
+  assert rules.DEFAULT_FACTS == rules.Facts(
+      fusible=False, expensive=False, fusion_root=False, in_place=False, contracts=False,
+      copies=False, offset_params=())
+  for loop in ("scan", "while", "cond", "pjit"):  # no rule: the solver handles bodies
+    assert rules.facts(loop) is rules.DEFAULT_FACTS
+
+
+FACT_CASES = [  # primitive, the fields that are set (every other is the default)
+    ("add", dict(fusible=True)),
+    ("add_any", dict(fusible=True)),
+    ("convert_element_type", dict(fusible=True)),
+    ("exp", dict(fusible=True, expensive=True)),
+    ("threefry2x32", dict(fusible=True, expensive=True)),
+    ("reduce_precision", dict(fusible=True, copies=True)),
+    ("optimization_barrier", dict(fusible=True, copies=True)),
+    ("stop_gradient", dict(fusible=True)),
+    ("broadcast_in_dim", dict(fusible=True)),
+    ("dynamic_slice", dict(fusible=True)),
+    ("slice", dict(fusible=True, offset_params=("start_indices", "limit_indices"))),
+    ("pad", dict(fusible=True, offset_params=("padding_config",))),
+    ("reduce_sum", dict(fusion_root=True)),
+    ("argmax", dict(fusion_root=True)),
+    ("reduce_xor", dict()),
+    ("dot_general", dict(contracts=True)),
+    ("conv_general_dilated", dict(contracts=True)),
+    ("scatter-add", dict(in_place=True)),
+    ("scatter", dict(in_place=True)),
+    ("dynamic_update_slice", dict(in_place=True)),
+    ("scatter-sub", dict()),
+    ("gather", dict()),
+    ("polynomial", dict()),
+    ("split", dict()),
+    ("cumsum", dict()),
+]
+
+
+@pytest.mark.parametrize("primitive, fields", FACT_CASES, ids=[c[0] for c in FACT_CASES])
+def test_facts_pinned(primitive, fields):
+  assert rules.facts(primitive) == rules.Facts(**fields)
+
+
 # -- (3) JAX param objects parsed into plain ints ---------------------------------
 
 

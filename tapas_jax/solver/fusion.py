@@ -43,25 +43,6 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
   return live
 
 
-# Ops XLA fuses into their readers (loop fusion) rather than writing out: elementwise
-# maps and data movement.
-_FUSIBLE = frozenset(ruleslib.ELEMENTWISE + ruleslib.IDENTITY + (
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose",
-    "slice", "concatenate", "pad", "rev", "dynamic_slice"))
-# Readers a fusible op fuses into: fusible ops and reductions (a fusion's root).
-_FUSING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                      "reduce_and", "reduce_or", "argmax", "argmin"}
-_REDUCTIONS = _FUSING - _FUSIBLE
-# Fusible ops XLA does not duplicate into several readers (its IsExpensive list):
-# with more than one reader their result is written out.
-_EXPENSIVE = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "div", "rem", "sqrt",
-    "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "sin", "cos", "tan",
-    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma",
-    "digamma", "igamma", "igammac", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
-    "regularized_incomplete_beta", "random_gamma_grad", "threefry2x32"})
-
-
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
                  outputs: Sequence[int] | None = None, *,
                  reductions_duplicate: bool = True, dot_operands: bool = False) -> set[int]:
@@ -95,19 +76,19 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   """
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
-  fusing = _FUSING | {"dot_general"} if dot_operands else _FUSING
   out: set[int] = set()
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
   for op in top:
     one_hot = dot_operands and _one_hot_scatter(graph, op)  # its combiner is a region
-    if op.index not in live or not (one_hot or (op.primitive in _FUSIBLE
+    if op.index not in live or not (one_hot or (ruleslib.facts(op.primitive).fusible
                                                 and not op.subregions)):
       continue
     for v in op.outputs:
       readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
       if not (v not in outputs and readers
-              and all(r.primitive in fusing and not r.subregions for r in readers)
-              and (dot_operands or op.primitive not in _EXPENSIVE or len(readers) == 1)
+              and all(_fuses_into(r, dot_operands) and not r.subregions for r in readers)
+              and (dot_operands or not ruleslib.facts(op.primitive).expensive
+                   or len(readers) == 1)
               and (len(readers) == 1 or not any(r.index in into_reduction
                                                 for r in readers))):
         continue
@@ -126,12 +107,19 @@ def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> boo
   """Whether XLA computes `op`'s result inside each of these readers' fusions: an
   elementwise or data-movement op read only by fusions that take it, an expensive one
   by one reader only (with `dot_operands`, the TPU compiler's: dots too, and expensive
-  ops recomputed in each). Used where `fused_values` cannot see
-  the readers: a scan body's recomputed residual read in the backward loop's body."""
-  fusing = _FUSING | {"dot_general"} if dot_operands else _FUSING
-  return (op.primitive in _FUSIBLE and not op.subregions and bool(readers)
-          and all(r.primitive in fusing and not r.subregions for r in readers)
-          and (dot_operands or op.primitive not in _EXPENSIVE or len(readers) == 1))
+  ops recomputed in each). Used where `fused_values` cannot see the readers: a scan
+  body's recomputed residual read in the backward loop's body."""
+  return (ruleslib.facts(op.primitive).fusible and not op.subregions and bool(readers)
+          and all(_fuses_into(r, dot_operands) and not r.subregions for r in readers)
+          and (dot_operands or not ruleslib.facts(op.primitive).expensive
+               or len(readers) == 1))
+
+
+def _fuses_into(reader: Op, dot_operands: bool) -> bool:
+  """Whether a fusible op's result can fuse into this reader: a fusible op or a
+  reduction (a fusion's root), and a dot where dots read their operands' chains."""
+  f = ruleslib.facts(reader.primitive)
+  return f.fusible or f.fusion_root or (dot_operands and reader.primitive == "dot_general")
 
 
 def _big_leaves(graph: Graph, op: Op, v: int, fused: set[int],
@@ -179,9 +167,9 @@ def _into_reduction(graph: Graph, top: Sequence[Op], live: set[int]) -> set[int]
   for op in reversed(top):  # readers come after their producers
     if op.index not in live or op.subregions:
       continue
-    if op.primitive in _REDUCTIONS:
+    if ruleslib.facts(op.primitive).fusion_root:
       out.add(op.index)
-    elif op.primitive in _FUSIBLE and len(op.outputs) == 1:
+    elif ruleslib.facts(op.primitive).fusible and len(op.outputs) == 1:
       readers = [c for c in graph.consumers.get(op.outputs[0], ()) if c in live]
       if len(readers) == 1 and readers[0] in out:
         out.add(op.index)

@@ -18,6 +18,7 @@ import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
+from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
@@ -536,21 +537,18 @@ def _loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
 
 
-# Ops XLA runs in place: the result takes over the buffer of operand 0 when that is
-# its last use (a scatter into zeros, the embedding gradient's scatter-add, say).
-_IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul",
-                       "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
-                       "scatter_max", "dynamic_update_slice"})
-
-
 def _hand_over_in_place(g, top, pos, live, values, stop, start) -> None:
   """Ends an in-place op's operand one position early where the op is its last reader,
-  so that its buffer and the op's result (the same memory) are not counted twice."""
+  so that its buffer and the op's result (the same memory) are not counted twice.
+
+  XLA runs these ops (`Facts.in_place`) in place: the result takes over the buffer of
+  operand 0 when that is its last use (a scatter into zeros, the embedding gradient's
+  scatter-add, say)."""
   at: dict[int, int] = {}
   for k, v in enumerate(values):
     at.setdefault(v, k)  # the value as written, not a later copy of it
   for op in top:
-    if op.primitive not in _IN_PLACE or op.index not in live or not op.inputs:
+    if not ruleslib.facts(op.primitive).in_place or op.index not in live or not op.inputs:
       continue
     k = at.get(op.inputs[0])
     j = pos[op.index]

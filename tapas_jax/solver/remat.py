@@ -60,6 +60,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
 from tapas_jax.solver.memory import Activations, _loop_body_values
@@ -74,10 +75,6 @@ __all__ = ["POLICIES", "InstanceRemat", "ScanRemat", "choose", "instance_remat",
 # Policies in order of memory saved; names are `jax.checkpoint_policies` attributes.
 POLICIES = ("everything_saveable", "dots_saveable", "nothing_saveable")
 NO_REMAT = POLICIES[0]
-# Outputs `dots_saveable` keeps (as `jax.checkpoint_policies.dots_saveable`).
-_DOTS = frozenset({"dot_general", "conv_general_dilated"})
-# Identity copies of a value (JAX's marks on the residuals a user's remat saves).
-_COPIES = frozenset({"reduce_precision", "copy", "copy_p", "optimization_barrier"})
 # Up to this many policy combinations are tried exhaustively (each is a budgeted
 # solve); beyond, one policy for
 # every remat-able layer at a time.
@@ -85,13 +82,15 @@ MAX_COMBINATIONS = 9
 
 
 def is_forward(op: Op) -> bool:
-  """A primal op of a differentiated program (JAX names it `jvp(...)`)."""
-  return "jvp(" in op.name_stack and "transpose(" not in op.name_stack
+  """A primal op of a differentiated program (JAX names it `jvp(...)`): what a remat
+  recomputes. Not fold's test (`not jx.is_transposed`), which also takes the ops
+  outside differentiation (the optimizer update), never recomputed."""
+  return jx.is_primal(op.name_stack)
 
 
 def is_backward(op: Op) -> bool:
   """A transposed (backward) op of a differentiated program."""
-  return "transpose(" in op.name_stack
+  return jx.is_transposed(op.name_stack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +123,14 @@ def _saved(op: Op, policy: str, graph: Graph | None = None) -> bool:
   if policy == "nothing_saveable":
     return False
   if policy == "dots_saveable":
-    if op.primitive in _COPIES and graph is not None:
+    if ruleslib.facts(op.primitive).copies and graph is not None:
       # The user's own remat marks each residual it saves with an identity
       # `reduce_precision` (so XLA cannot merge the recomputation into the forward):
       # a copy of a saved dot is saved with it, not recomputed from it.
       src = graph.producer.get(op.inputs[0]) if op.inputs else None
       return src is not None and _saved(graph.ops[src], policy, graph)
-    return op.primitive in _DOTS
+    # What `jax.checkpoint_policies.dots_saveable` keeps: dots and convolutions.
+    return ruleslib.facts(op.primitive).contracts
   return True
 
 

@@ -38,7 +38,7 @@ from tapas_jax import cost as costlib
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
-from tapas_jax.trace import Op
+from tapas_jax.trace import Op, TensorType
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
 
@@ -117,9 +117,33 @@ class TableBuilder:
       rule = self.p.rules[op.index]
       classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
                               and self.p.classes[c].splittable}))
-      expr = ("r", classes) if classes else None
+      expr = ("r", classes) if classes else self._summed_partial(op)
     self._partial[v] = expr
     return expr
+
+  def _summed_partial(self, op: Op):
+    """A sum of partial values stays partial, reduced once after the add, where the
+    compiler reassociates the reductions (`DeviceProfile.reassociates_all_reduces`):
+    ("r", the operands' classes together); so does a partial value moved by a
+    transpose or reshape on its way to such a sum (a tied embedding's head gradient).
+    None otherwise."""
+    if not self.p.profile.reassociates_all_reduces or op.primitive not in _SUMS | _MOVES:
+      return None
+    g = self.p.graph
+    arrays = [x for x in op.inputs if x not in g.literals and g.types[x].shape]
+    exprs = [self.partial_expr(x) for x in arrays]
+    wrong = len(arrays) != 1 if op.primitive in _MOVES else len(arrays) < 2
+    if wrong or any(e is None for e in exprs):
+      return None
+    return ("r", tuple(sorted({c for e in exprs for c in e[1]})))
+
+  def absorbs_partial(self, op_index: int, v: int) -> bool:
+    """Whether op reads partial `v` as it is, its own result then partial (a sum the
+    compiler reduces once: `_summed_partial`)."""
+    op = self.p.graph.ops[op_index]
+    return (op.primitive in _SUMS | _MOVES and bool(op.outputs) and op.index == self.producer.get(
+        self.p.cv(op.outputs[0])) and self._summed_partial(op) is not None
+        and any(self.p.cv(x) == v for x in op.inputs))
 
   def _factor_class(self, op: Op, f: int) -> int:
     return self.p.factor_class[op.index][f]
@@ -232,7 +256,8 @@ class TableBuilder:
     expr = self.partial_expr(v)
     if expr is None:
       return None
-    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None]
+    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None
+             and not self.absorbs_partial(c, v)]
     if not users and v not in set(g.outputs):
       return None
     dims, _ = self._src(v)
@@ -257,8 +282,10 @@ class TableBuilder:
     src_dims = self.fixed.get(v, src_dims)
     partial = self.partial_expr(v)  # None for inputs; reads through cuts skip `resolve`
     dst = self.p.reader_dims[(v, side)]
+    readers = [i for i in self.users.get(v, ()) if self.p.read_side(i, v) == side]
     return self._table(("cut",), [], 0.0, None,
-                       [(self.p.graph.types[v], src_dims, partial, dst)])
+                       [(self._sent_type(self.p.graph.types[v], readers), src_dims, partial,
+                         dst)])
 
   def scan_cut_table(self, outer: int, inner: int, read: bool) -> Table | None:
     """One iteration of a scan through a stacked-state cut (`Problem.scan_cuts`): the
@@ -272,12 +299,21 @@ class TableBuilder:
     stack = (costlib.Layout(fixed.dims[1:]) if fixed is not None
              else tuple(p.vclass(outer, d + 1) for d in range(rank)))
     if read:
-      edge = (g.types[inner], stack, None, tuple(p.value_class[(inner, d)]
-                                                  for d in range(rank)))
+      edge = (self._sent_type(g.types[inner], self.users.get(inner, ())), stack, None,
+              tuple(p.value_class[(inner, d)] for d in range(rank)))
     else:
       made, partial = self._src(inner)
       edge = (g.types[inner], made, None if self.users.get(inner) else partial, stack)
     return self._table(("scan cut",), [], 0.0, None, [edge])
+
+  def _sent_type(self, ttype: TensorType, readers) -> TensorType:
+    """The type a value is gathered in for these readers: bf16 for an f32 value read only
+    by dots at DEFAULT precision where the compiler runs those as one bf16 pass and
+    converts the operand before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`)."""
+    if (not self.p.profile.gathers_dot_operands_in_bf16 or ttype.dtype != "float32"
+        or not readers or not all(_default_dot(self.p.graph.ops[i]) for i in readers)):
+      return ttype
+    return dataclasses.replace(ttype, dtype="bfloat16")
 
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: list[int] = []
@@ -338,6 +374,23 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
+
+
+# Sums whose partial operands the compiler reduces once, after the sum.
+_SUMS = frozenset({"add", "add_any"})
+# Ops that only move a value's elements: an all-reduce commutes with them.
+_MOVES = frozenset({"transpose", "reshape"})
+
+
+def _default_dot(op: Op) -> bool:
+  """A dot_general at DEFAULT precision (no `precision`, or DEFAULT for both operands)."""
+  if op.primitive != "dot_general":
+    return False
+  precision = op.raw_params.get("precision")
+  if precision is None:
+    return True
+  parts = precision if isinstance(precision, tuple | list) else (precision,)
+  return all(x is None or str(x).upper().endswith("DEFAULT") for x in parts)
 
 
 class _Grid:

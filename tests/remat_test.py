@@ -348,13 +348,14 @@ def test_a_scan_remat_drops_the_stacked_residuals_the_policy_does_not_save(polic
   (j, s), = r.dropped
   assert bwd.inputs[j] == fwd.outputs[s] and g.types[fwd.outputs[s]].shape == (layers, n, d)
   assert remat.layer_remats(f, 0, "everything_saveable") == []
-  # Priced: the stacked cos is no longer live; one iteration's recomputed dot and cos
-  # are, with the backward loop's body.
+  # Priced: the stacked cos is no longer live; one iteration's recomputed dot is, with
+  # the backward loop's body. The cos is not written: its one backward reader (the
+  # chain rule's multiply) computes it inside its fusion from the dot's result.
   p = trace_problem(g)
   acts = memory.activations(p)
   before = memory.activation_peak(p, acts, {})[0]
   after = memory.activation_peak(p, remat.with_remat(p, acts, [r]), {})[0]
-  assert before - after == (layers - 2) * n * d * 4
+  assert before - after == (layers - 1) * n * d * 4
 
 
 def trace_problem(g):
@@ -531,3 +532,32 @@ def test_a_users_checkpoint_is_costed_once_and_kept_by_apply():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _chain_net(ws, x):
+  def body(h, w):
+    for _ in range(4):  # a chain: each dot's input dies once the next is made
+      h = jnp.sin(h @ w)
+    return h, None
+  return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+
+def test_a_scan_remat_holds_one_iteration_of_its_recomputation_at_its_own_peak():
+  # Each backward iteration recomputes the four dot + sin steps first. The backward
+  # body reads back the cos of each dot; cos is elementwise and its backward readers
+  # (the multiplies of the chain rule) are fusions, so it is computed there from the
+  # dot's result, which is what stays. Nothing the recomputation alone reads outlives
+  # its last recomputed reader: fewer values are held than every recomputed one.
+  layers, n, d = 4, 16, 8
+  args = (jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
+          jax.ShapeDtypeStruct((n, d), jnp.float32))
+  prepared = api.prepare(jax.grad(_chain_net), args, mesh={"data": 2}, device="tpu-v5p")
+  f, g = prepared.folded, prepared.folded.graph
+  (r,) = [r for r in remat.layer_remats(f, 0, "nothing_saveable")
+          if isinstance(r, remat.ScanRemat)]
+  held = remat._recomputed_live(prepared.problem, r)
+  made = [v for p in r.recompute for v in g.ops[p].outputs if g.types[v].shape]
+  kinds = sorted(g.ops[g.producer[v]].primitive for v in held)
+  assert set(held) < set(made), (held, made)
+  # The dots' results are read back (one per step); no cos is written.
+  assert kinds.count("dot_general") == 4 and "cos" not in kinds, kinds

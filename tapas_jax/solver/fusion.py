@@ -26,7 +26,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["fused_values", "live_ops", "top_level"]
+__all__ = ["fused_values", "fuses_into", "live_ops", "top_level"]
 
 
 def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = None
@@ -114,7 +114,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     for v in op.outputs:
       readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
       if not (v not in outputs and readers
-              and all(_fuses_into(r, dot_operands) and not r.subregions for r in readers)
+              and all(_reader_fuses(r, dot_operands) and not r.subregions for r in readers)
               and (dot_operands or not ruleslib.facts(op.primitive).expensive
                    or len(readers) == 1)
               and (len(readers) == 1 or not any(r.index in into_reduction
@@ -131,7 +131,19 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   return out
 
 
-def _fuses_into(reader: Op, dot_operands: bool) -> bool:
+def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:
+  """Whether XLA computes `op`'s result inside each of these readers' fusions: an
+  elementwise or data-movement op read only by fusions that take it, an expensive one
+  by one reader only (with `dot_operands`, the TPU compiler's: dots too, and expensive
+  ops recomputed in each). Used where `fused_values` cannot see the readers: a scan
+  body's recomputed residual read in the backward loop's body."""
+  return (ruleslib.facts(op.primitive).fusible and not op.subregions and bool(readers)
+          and all(_reader_fuses(r, dot_operands) and not r.subregions for r in readers)
+          and (dot_operands or not ruleslib.facts(op.primitive).expensive
+               or len(readers) == 1))
+
+
+def _reader_fuses(reader: Op, dot_operands: bool) -> bool:
   """Whether a fusible op's result can fuse into this reader: a fusible op or a
   reduction (a fusion's root), and a dot where dots read their operands' chains."""
   f = ruleslib.facts(reader.primitive)

@@ -494,26 +494,30 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
   return out
 
 
-def _loop_body_values(problem: Problem, op) -> list[tuple[int, tuple]]:
+def _loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
+                      ) -> list[tuple[int, tuple]]:
   """(value, classes as made) of what one iteration of a counted loop writes out and
   holds at the body's own peak (whole bytes, in body order: each value from the op
   making it to its last reader in the body, the body's outputs to its end), counted
   live together while the loop runs (the blocks of a chunked attention's scores; a
   scanned layer's activations). A copy of a layer the view folds away is costed as
-  its representative's loop."""
+  its representative's loop. `dropped`: output slots the loop no longer writes (a
+  scan remat's residuals, recomputed in the backward loop instead)."""
   g = problem.graph
   rep = g.ops[problem.view.op_canon.get(op.index, op.index)]
   region = scan_region(g, rep)
   if region is None:
     return []
   body = [o for o in g.ops if o.region == region.index]
-  live = live_ops(g, body, region.outputs)
-  fused = fused_values(g, body, live, region.outputs,
+  gone = set(dropped)
+  kept = [v for s, v in enumerate(region.outputs) if s not in gone]
+  live = live_ops(g, body, kept)
+  fused = fused_values(g, body, live, kept,
                       reductions_duplicate=problem.profile.reductions_duplicate,
                       dot_operands=problem.profile.dot_operand_fusion)
   out, span = [], []
   pos = {o.index: j for j, o in enumerate(body)}
-  outputs = set(region.outputs)
+  outputs = set(kept)
   for j, o in enumerate(body):
     rule = problem.rules.get(o.index)
     if rule is None or o.index not in live:

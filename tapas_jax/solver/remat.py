@@ -62,8 +62,8 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
-from tapas_jax.solver.fusion import fused_values, live_ops
-from tapas_jax.solver.memory import Activations
+from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
+from tapas_jax.solver.memory import Activations, _loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region
@@ -375,6 +375,18 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
     if v in gone and v in g.producer and g.producer[v] in {r.forward for r in scans}:
       nbytes[k] = 0.0
   start, stop, extra_bytes, dims, values = [], [], [], [], []
+  for r in scans:  # the forward body's own peak, without the residuals it drops
+    at, drop = pos[r.forward], {s for _, s in r.dropped}
+    mine = {v for v, _ in _loop_body_values(problem, g.ops[r.forward])}
+    for k, v in enumerate(acts.values):
+      if acts.start[k] == at == acts.stop[k] and v in mine:
+        nbytes[k] = 0.0
+    for v, made in _loop_body_values(problem, g.ops[r.forward], drop):
+      start.append(at)
+      stop.append(at)
+      extra_bytes.append(g.types[v].nbytes)
+      dims.append(made)
+      values.append(v)
 
   def classes(v):
     if (problem.cv(v), 0) not in problem.value_class:
@@ -392,19 +404,12 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       extra_bytes.append(r.trip_count * g.types[v].nbytes)
       dims.append((None,) + classes(v))
       values.append(v)
-    body = [op for op in g.ops if op.region == fr.index]
-    fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
-                         reductions_duplicate=problem.profile.reductions_duplicate,
-                         dot_operands=problem.profile.dot_operand_fusion)
-    for p in r.recompute:
-      for v in g.ops[p].outputs:
-        if v in fused or not g.types[v].shape:
-          continue
-        start.append(pos[r.backward])
-        stop.append(pos[r.backward])
-        extra_bytes.append(g.types[v].nbytes)
-        dims.append(classes(v))
-        values.append(v)
+    for v in _recomputed_live(problem, r):
+      start.append(pos[r.backward])
+      stop.append(pos[r.backward])
+      extra_bytes.append(g.types[v].nbytes)
+      dims.append(classes(v))
+      values.append(v)
   n = len(values)
   return dataclasses.replace(
       acts, start=np.concatenate([acts.start, np.array(start, int)]),
@@ -412,6 +417,62 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       nbytes=np.concatenate([nbytes, np.array(extra_bytes, float)]),
       dims=acts.dims + tuple(dims), values=acts.values + tuple(values),
       stored=tuple(acts.stored or (None,) * len(acts.dims)) + (None,) * n)
+
+
+def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:
+  """The values of one iteration's recomputation held together in the backward loop's
+  body: those the backward body reads (the dropped residuals' slices, live until it
+  has read them), and the recomputation's own intermediates live at its peak (in
+  forward body order, each from the op making it to its last recomputed reader). An
+  intermediate only other recomputed ops read is dead before the backward ops run, so
+  the compiler reuses its buffer (the TPU compiler's heap at a tiny scanned LLaMA under
+  nothing_saveable held one iteration's values, not every recomputed value at once)."""
+  g = problem.graph
+  fr = scan_region(g, g.ops[r.forward])
+  body = [op for op in g.ops if op.region == fr.index]
+  fused = fused_values(g, body, live_ops(g, body, fr.outputs), fr.outputs,
+                       reductions_duplicate=problem.profile.reductions_duplicate,
+                       dot_operands=problem.profile.dot_operand_fusion)
+  order = [op.index for op in body if op.index in set(r.recompute)]
+  at = {p: j for j, p in enumerate(order)}
+  read_back = _read_back(problem, r, fr)
+  fused |= {fr.outputs[s] for _, s in r.dropped} - read_back
+  made, span = [], []
+  for j, p in enumerate(order):
+    for v in g.ops[p].outputs:
+      if v in fused or not g.types[v].shape:
+        continue
+      last = len(order) if v in read_back else max(
+          [at[c] for c in g.consumers.get(v, ()) if c in at], default=j)
+      made.append(v)
+      span.append((j, last))
+  if not made:
+    return []
+  live = np.zeros(len(order) + 1)
+  for v, (a, b) in zip(made, span):
+    live[a:b + 1] += g.types[v].nbytes
+  peak = int(np.argmax(live[:-1])) if len(order) else 0
+  return [v for v, (a, b) in zip(made, span) if b == len(order) or a <= peak <= b]
+
+
+def _read_back(problem: Problem, r: ScanRemat, fr) -> set[int]:
+  """The recomputed values the backward body reads as written values: a dropped
+  residual made by an elementwise op whose backward readers all take it into their
+  fusions is computed there, from its own operands (read back in its place), as XLA
+  fuses any such value within one body (`fusion.fused_values`)."""
+  g = problem.graph
+  br = scan_region(g, g.ops[r.backward])
+  recomputed = set(r.recompute)
+  out: set[int] = set()
+  for j, s in r.dropped:
+    v, p = fr.outputs[s], g.producer.get(fr.outputs[s])
+    readers = [g.ops[c] for c in g.consumers.get(br.inputs[j], ())
+               if g.ops[c].region == br.index]
+    if p in recomputed and fuses_into(g.ops[p], readers, problem.profile.dot_operand_fusion):
+      out.update(x for x in g.ops[p].inputs if g.producer.get(x) in recomputed)
+    else:
+      out.add(v)
+  return out
 
 
 def _priced_ops(problem: Problem, ops: Sequence[int]) -> list[int]:

@@ -146,8 +146,7 @@ class Plan:
     mesh = " x ".join(f"{a}={n}" for a, n in self.mesh_axes.items())
     lines = [f"Plan {self.name!r} on mesh {mesh}, profile {self.device}",
              f"  {s.num_equations} equations; {s.num_layer_instances} layer instances of "
-             f"{s.num_unique_layers} unique; trace {s.trace_s:.2f} s, fold {s.fold_s:.2f} s, "
-             f"search {s.search_s:.2f} s; solver {s.solver_status}", ""]
+             f"{s.num_unique_layers} unique; {_timings(s)}; solver {s.solver_status}", ""]
     lines.append(f"  {'layout':<16} {'step ms':>11} {'sent MiB/device':>18} "
                  f"{'memory GiB/device':>20}")
     for name, step, comm, mem in self._figures():
@@ -211,8 +210,7 @@ class Plan:
     mesh = " &times; ".join(f"{esc(a)}={n}" for a, n in self.mesh_axes.items())
     out = [f"<div><b>Plan {esc(self.name)}</b> on mesh {mesh}, profile {esc(self.device)}"
            f"<br><small>{s.num_equations} equations; {s.num_layer_instances} layer "
-           f"instances of {s.num_unique_layers} unique; trace {s.trace_s:.2f} s, fold "
-           f"{s.fold_s:.2f} s, search {s.search_s:.2f} s</small>"]
+           f"instances of {s.num_unique_layers} unique; {esc(_timings(s))}</small>"]
     out.append(_html_table(["layout", "step ms", "sent MiB/device", "memory GiB/device"],
                            [(n, f"{t * 1e3:.3f}", f"{b / 2**20:.2f}", f"{m / 2**30:.3f}")
                             for n, t, b, m in self._figures()]))
@@ -249,6 +247,15 @@ def _html_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def _spec_text(spec: PartitionSpec) -> str:
   return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def _timings(s: PlanStats) -> str:
+  """The stage timings, each stage that took time (the plan and the report's baselines
+  are stages too: together they add up to the call)."""
+  stages = [("trace", s.trace_s), ("fold", s.fold_s), ("search", s.search_s),
+            ("plan", s.plan_s), ("report", s.report_s)]
+  return ", ".join(f"{name} {t:.2f} s" for name, t in stages
+                   if t or name in ("trace", "fold", "search"))
 
 
 def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],

@@ -202,6 +202,10 @@ class Facts:
       remat saves).
     offset_params: params that place a slice (or a pad) in its operand: blocks over
       one stacked parameter differ only in them.
+    sums: adds its operands: a compiler that reassociates all-reduces reduces partial
+      operands once, after the sum.
+    moves: only moves its operand's elements (a transpose, a reshape): an all-reduce
+      commutes with it.
 
   Example:
     >>> from tapas_jax import rules  # registers the rules and their facts
@@ -216,6 +220,8 @@ class Facts:
   contracts: bool = False
   copies: bool = False
   offset_params: tuple[str, ...] = ()
+  sums: bool = False
+  moves: bool = False
 
 
 DEFAULT_FACTS = Facts()

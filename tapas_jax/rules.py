@@ -98,7 +98,7 @@ def _aligned(shape: Shape, ref: Shape, ref_dims: Dims) -> Dims:
 # Elementwise maps XLA fuses into their readers and duplicates into each of them.
 _ELEMENTWISE = (
     # arithmetic
-    "abs", "add", "add_any", "ceil", "clamp", "complex", "conj", "floor", "imag",
+    "abs", "ceil", "clamp", "complex", "conj", "floor", "imag",
     "integer_pow", "is_finite", "max", "min", "mul", "mulhi", "neg", "nextafter", "real",
     "round", "sign", "square", "sub",
     "one_minus_square",  # jax >= 0.11: the derivative of tanh, 1 - x**2
@@ -109,6 +109,8 @@ _ELEMENTWISE = (
     # selection and conversion
     "select_n", "convert_element_type", "bitcast_convert_type",
 )
+# Sums: as elementwise, and an all-reduce of partial operands can run once after them.
+_SUMS = ("add", "add_any")
 # Elementwise maps XLA fuses but does not duplicate into several readers (its
 # IsExpensive list): math and special functions.
 _TRANSCENDENTAL = (
@@ -126,11 +128,13 @@ _COPIES = ("copy", "copy_p", "optimization_barrier")
 _IDENTITY = ("stop_gradient", "device_put", "sharding_constraint", "pvary",
              "name")  # `jax.ad_checkpoint.checkpoint_name`: tags a value for remat policies
 # Public names: every elementwise and every identity-like primitive.
-ELEMENTWISE = _ELEMENTWISE + _TRANSCENDENTAL + ("reduce_precision",)
+ELEMENTWISE = _ELEMENTWISE + _SUMS + _TRANSCENDENTAL + ("reduce_precision",)
 IDENTITY = _COPIES + _IDENTITY
 
 # Facts shared by groups of rules (`Facts`; the default: written out, own buffer).
 _FUSES = Facts(fusible=True)
+_SUM = Facts(fusible=True, sums=True)
+_MOVE = Facts(fusible=True, moves=True)
 _FUSES_ONCE = Facts(fusible=True, expensive=True)
 _COPY = Facts(fusible=True, copies=True)
 _ROOT = Facts(fusion_root=True)
@@ -139,6 +143,7 @@ _CONTRACTS = Facts(contracts=True)
 
 
 @register(*_ELEMENTWISE, facts=_FUSES)
+@register(*_SUMS, facts=_SUM)
 @register(*_TRANSCENDENTAL, facts=_FUSES_ONCE)
 @register("reduce_precision", facts=_COPY)
 def _elementwise(params, ins, outs, flops: bool = True) -> OpRule:
@@ -280,7 +285,7 @@ def _reshape_blocks(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]] | N
   return blocks if i == len(ia) and j == len(ib) else None
 
 
-@register("reshape", facts=_FUSES)
+@register("reshape", facts=_MOVE)
 def _reshape(params, ins, outs) -> OpRule:
   """Only the major-most dim of each block of merged/split dims can be split.
 
@@ -305,7 +310,7 @@ def _reshape(params, ins, outs) -> OpRule:
   return f.rule([in_dims] + list(_unsplit(ins[1:])), [out_dims])
 
 
-@register("transpose", facts=_FUSES)
+@register("transpose", facts=_MOVE)
 def _transpose(params, ins, outs) -> OpRule:
   perm = tuple(params["permutation"])
   f = _Factors()

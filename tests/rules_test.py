@@ -411,14 +411,17 @@ def test_an_unknown_primitive_gets_the_conservative_default():
   assert rules.facts("no_such_primitive") is rules.DEFAULT_FACTS
   assert rules.DEFAULT_FACTS == rules.Facts(
       fusible=False, expensive=False, fusion_root=False, in_place=False, contracts=False,
-      copies=False, offset_params=())
+      copies=False, offset_params=(), sums=False, moves=False)
   for loop in ("scan", "while", "cond", "pjit"):  # no rule: the solver handles bodies
     assert rules.facts(loop) is rules.DEFAULT_FACTS
 
 
 FACT_CASES = [  # primitive, the fields that are set (every other is the default)
-    ("add", dict(fusible=True)),
-    ("add_any", dict(fusible=True)),
+    ("add", dict(fusible=True, sums=True)),
+    ("add_any", dict(fusible=True, sums=True)),
+    ("sub", dict(fusible=True)),
+    ("transpose", dict(fusible=True, moves=True)),
+    ("reshape", dict(fusible=True, moves=True)),
     ("convert_element_type", dict(fusible=True)),
     ("exp", dict(fusible=True, expensive=True)),
     ("threefry2x32", dict(fusible=True, expensive=True)),

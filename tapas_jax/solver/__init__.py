@@ -13,7 +13,9 @@ Modules, in the order data flows through them:
 - `experts`: data parallel and FSDP as class choices (the budgeted search's incumbents);
 - `budget`: fitting a memory budget (Lagrange weight, re-posed peak, incumbents, greedy
   repair);
-- `solve`: `solve(problem) -> Solution` and `evaluate(problem, choice)`.
+- `solve`: `solve(problem) -> Solution` and `evaluate(problem, choice)`;
+- `memo` (used by the others): the search's cache, results kept by the identity of
+  what they were built from, so a whole-program pass runs once per search.
 
 `tapas_jax.api.search` runs trace, fold and this package, then `plan.make_plan`.
 """

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
+from tapas_jax.solver.memo import memo
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["fused_values", "fuses_into", "live_ops", "top_level"]
@@ -58,17 +59,13 @@ def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: 
     >>> top_level(g, cache) is top_level(g, cache)
     True
   """
-  key = ("fusion", id(graph), reductions_duplicate, dot_operands)
-  hit = cache.get(key) if cache is not None else None
-  if hit is None or hit[0] is not graph:
+  def build():
     top = graph.region_ops(0)
     live = live_ops(graph, top)
-    hit = (graph, (live, fused_values(graph, top, live,
-                                      reductions_duplicate=reductions_duplicate,
-                                      dot_operands=dot_operands)))
-    if cache is not None:
-      cache[key] = hit  # the graph held: its id stays its own
-  return hit[1]
+    return live, fused_values(graph, top, live, reductions_duplicate=reductions_duplicate,
+                              dot_operands=dot_operands)
+
+  return memo(cache, ("fusion", reductions_duplicate, dot_operands), (graph,), build)
 
 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],

@@ -40,6 +40,7 @@ from tapas_jax.solver.eliminate import (Schedule, TooEntangled, merge, merge_int
                                         reduced_domains, restrict, take)
 from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
+from tapas_jax.solver.memo import memo
 from tapas_jax.solver.memory import Activations, activation_peak, activations, memory_tables
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
@@ -322,15 +323,9 @@ def cached_activations(problem: Problem, cache: dict | None) -> Activations:
   problem over the same program, view, classes and profile: they read neither the
   domains (a baseline's wider batch, `problem.with_batch_axes`) nor fixed input
   layouts, so the search and its baselines share one."""
-  if cache is None:
-    return activations(problem)
   parts = (problem.graph, problem.view, problem.classes, problem.value_class,
            problem.reader_dims, problem.profile)
-  key = ("activations",) + tuple(id(x) for x in parts)
-  hit = cache.get(key)
-  if hit is None or any(a is not b for a, b in zip(hit[0], parts)):
-    hit = cache[key] = (parts, activations(problem, cache))  # the parts held: ids stay theirs
-  return hit[1]
+  return memo(cache, "activations", parts, lambda: activations(problem, cache))
 
 
 def warn_unsplittable(problem: Problem) -> None:

@@ -35,7 +35,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import cost as costlib
+from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
+from tapas_jax.solver.memo import memo
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
 from tapas_jax.trace import Op, TensorType
@@ -84,12 +86,9 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
-    key = ("unwritten", id(g), id(problem.view))
-    hit = self.cache.get(key)
-    if hit is None or hit[0] is not g or hit[1] is not problem.view:
-      # The same for every builder over this program and view: built once per cache.
-      hit = self.cache[key] = (g, problem.view, *_dead_and_unwritten(problem, self.cache))
-    self.dead, self.unwritten = hit[2], hit[3]
+    # The same for every builder over this program and view.
+    self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
+                                     lambda: _dead_and_unwritten(problem, self.cache))
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
@@ -123,12 +122,13 @@ class TableBuilder:
     ("r", the operands' classes together); so does a partial value moved by a
     transpose or reshape on its way to such a sum (a tied embedding's head gradient).
     None otherwise."""
-    if not self.p.profile.reassociates_all_reduces or op.primitive not in _SUMS | _MOVES:
+    facts = ruleslib.facts(op.primitive)
+    if not self.p.profile.reassociates_all_reduces or not (facts.sums or facts.moves):
       return None
     g = self.p.graph
     arrays = [x for x in op.inputs if x not in g.literals and g.types[x].shape]
     exprs = [self.partial_expr(x) for x in arrays]
-    wrong = len(arrays) != 1 if op.primitive in _MOVES else len(arrays) < 2
+    wrong = len(arrays) != 1 if facts.moves else len(arrays) < 2
     if wrong or any(e is None for e in exprs):
       return None
     return ("r", tuple(sorted({c for e in exprs for c in e[1]})))
@@ -137,9 +137,9 @@ class TableBuilder:
     """Whether op reads partial `v` as it is, its own result then partial (a sum the
     compiler reduces once: `_summed_partial`)."""
     op = self.p.graph.ops[op_index]
-    return (op.primitive in _SUMS | _MOVES and bool(op.outputs) and op.index == self.producer.get(
-        self.p.cv(op.outputs[0])) and self._summed_partial(op) is not None
-        and any(self.p.cv(x) == v for x in op.inputs))
+    return (self._summed_partial(op) is not None and bool(op.outputs)
+            and op.index == self.producer.get(self.p.cv(op.outputs[0]))
+            and any(self.p.cv(x) == v for x in op.inputs))
 
   def _factor_class(self, op: Op, f: int) -> int:
     return self.p.factor_class[op.index][f]
@@ -372,12 +372,6 @@ class TableBuilder:
     return t, b
 
 
-# Sums whose partial operands the compiler reduces once, after the sum.
-_SUMS = frozenset({"add", "add_any"})
-# Ops that only move a value's elements: an all-reduce commutes with them.
-_MOVES = frozenset({"transpose", "reshape"})
-
-
 def _default_dot(op: Op) -> bool:
   """A dot_general at DEFAULT precision (no `precision`, or DEFAULT for both operands)."""
   if op.primitive != "dot_general":
@@ -562,14 +556,9 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
     weighted += [(t, w) for t in builder.op_tables(op)]
     weighted += [(builder.resolve_table(v), w) for v in op.outputs]
   weighted += [(builder.carry_table(out, inp), n) for out, inp, n in problem.state_pairs]
-  key = ("cut copies", id(problem.graph), id(problem.view), id(problem.read_sides))
-  hit = builder.cache.get(key)
-  if hit is None or hit[0] is not problem.graph or hit[1] is not problem.view or \
-      hit[2] is not problem.read_sides:
-    # A pass over the whole program, the same for every builder of this view and cuts.
-    hit = builder.cache[key] = (problem.graph, problem.view, problem.read_sides,
-                                _activation_cut_copies(problem, builder))
-  copies = hit[3]
+  # A pass over the whole program, the same for every builder of this view and cuts.
+  copies = memo(builder.cache, "cut copies", (problem.graph, problem.view, problem.read_sides),
+                lambda: _activation_cut_copies(problem, builder))
   for v, side in problem.reader_dims:
     if isinstance(side, str):
       w = copies.get((v, side), 1)

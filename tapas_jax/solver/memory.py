@@ -25,7 +25,7 @@ from tapas_jax.solver.views import scan_region
 from tapas_jax.solver.tables import Table, evaluate_tables
 
 __all__ = ["Activations", "activation_peak", "activation_tables", "activations",
-           "largest_live", "memory_tables", "memory_used"]
+           "largest_live", "loop_body_values", "memory_tables", "memory_used"]
 
 
 def memory_tables(problem: Problem,
@@ -160,7 +160,7 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   * Each dim is split as its producer makes it: over its class's axes, or whole where
     the producer's rule keeps it whole.
   * While a counted loop (scan) runs, what its body writes out in one iteration is
-    live at the loop's position too (`_loop_body_values`).
+    live at the loop's position too (`loop_body_values`).
   * The compiler's own layout choices, per `DeviceProfile`: without a reduce-scatter
     pass the reduced copy is the whole all-reduced value (`reduce_scatter`); a
     convolution run only in canonical order reads other operands through transposed
@@ -347,7 +347,7 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   for j, op in enumerate(top):
     # Only a loop (its representative has a body) writes out values of its body.
     if op.index in live and g.ops[canon.get(op.index, op.index)].subregions:
-      for v, made in _loop_body_values(problem, op):
+      for v, made in loop_body_values(problem, op):
         start.append(j)
         stop.append(j)
         nbytes.append(g.types[v].nbytes)
@@ -494,7 +494,7 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
   return out
 
 
-def _loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
+def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
                       ) -> list[tuple[int, tuple]]:
   """(value, classes as made) of what one iteration of a counted loop writes out and
   holds at the body's own peak (whole bytes, in body order: each value from the op

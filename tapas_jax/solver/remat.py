@@ -63,7 +63,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
-from tapas_jax.solver.memory import Activations, _loop_body_values
+from tapas_jax.solver.memory import Activations, loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region
@@ -366,7 +366,7 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   residuals are never written (their entries take no bytes), a carry the recomputation
   reads is written out stacked from the forward loop to the backward one, and one
   iteration's recomputed values are live with the backward's body (counted as
-  `memory._loop_body_values` counts a body: together, at the loop's position)."""
+  `memory.loop_body_values` counts a body: together, at the loop's position)."""
   g = problem.graph
   pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
   nbytes = acts.nbytes.copy()
@@ -377,11 +377,11 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   start, stop, extra_bytes, dims, values = [], [], [], [], []
   for r in scans:  # the forward body's own peak, without the residuals it drops
     at, drop = pos[r.forward], {s for _, s in r.dropped}
-    mine = {v for v, _ in _loop_body_values(problem, g.ops[r.forward])}
+    mine = {v for v, _ in loop_body_values(problem, g.ops[r.forward])}
     for k, v in enumerate(acts.values):
       if acts.start[k] == at == acts.stop[k] and v in mine:
         nbytes[k] = 0.0
-    for v, made in _loop_body_values(problem, g.ops[r.forward], drop):
+    for v, made in loop_body_values(problem, g.ops[r.forward], drop):
       start.append(at)
       stop.append(at)
       extra_bytes.append(g.types[v].nbytes)

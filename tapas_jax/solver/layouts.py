@@ -7,13 +7,13 @@ Example:
   >>> from tapas_jax import cost, trace
   >>> from tapas_jax.solver import build_problem, evaluate, layout_choice
   >>> graph = trace.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
-  ...                     jax.ShapeDtypeStruct((64, 64), jnp.float32),
-  ...                     jax.ShapeDtypeStruct((4096, 64), jnp.float32))
+  ...                     jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+  ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32))
   >>> p = build_problem(graph, cost.mesh_spec({"data": 8}, "h100"),
   ...                   cost.get_profile("h100"), None)
   >>> dp = layout_choice(p, batch_axes=("data",))
-  >>> [str(i.stored) for i in evaluate(p, dp).terms.inputs]
-  ['PartitionSpec(None, None)', "PartitionSpec('data', None)"]
+  >>> [i.stored for i in evaluate(p, dp).terms.inputs]
+  [P(None, None), P('data', None)]
 """
 
 from __future__ import annotations

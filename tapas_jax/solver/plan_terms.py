@@ -8,14 +8,15 @@ when it is first read.
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from tapas_jax import cost, trace
-  >>> from tapas_jax.solver import build_problem, evaluate
+  >>> from tapas_jax.solver import build_problem, evaluate, layout_choice
   >>> graph = trace.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
-  ...                     jax.ShapeDtypeStruct((64, 64), jnp.float32),
-  ...                     jax.ShapeDtypeStruct((4096, 64), jnp.float32))
+  ...                     jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+  ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32))
   >>> p = build_problem(graph, cost.mesh_spec({"data": 8}, "h100"),
   ...                   cost.get_profile("h100"), None)
-  >>> [d.axes for d in evaluate(p, {}).terms.decisions]
-  [()]
+  >>> terms = evaluate(p, layout_choice(p, batch_axes=("data",))).terms
+  >>> [(d.name, d.axes) for d in terms.decisions][:1], [c.spec for c in terms.constraints]
+  ([('batch', ('data',))], [P('data', None)])
 """
 
 from __future__ import annotations

@@ -155,7 +155,9 @@ class Solution:
     remat: unique layer index -> `jax.checkpoint` policy name, for the layers
       rematerialised (`solver.remat`; chosen only under a budget); `step_s` includes
       their recompute.
-    make_terms: builds `terms` (`solve` and `evaluate` set it); read `terms`.
+    make_terms: builds `terms` from what `solve` or `evaluate` solved (it holds their
+      problem and choice: a `dataclasses.replace` of `choice` keeps the old terms);
+      read `terms`.
   """
 
   choice: Mapping[int, tuple[str, ...]]

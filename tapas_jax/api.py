@@ -209,8 +209,8 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
     search_s = prepared.prepare_s + time.perf_counter() - start
     start = time.perf_counter()
     figures = baseline_figures(prepared.problem, cache)
-    return planlib.make_plan(prepared.problem, prepared.folded, solution, args,
-                             search_s=search_s, kwargs=kwargs, baselines=figures,
+    return planlib.make_plan(prepared.folded, solution, args, search_s=search_s,
+                             kwargs=kwargs, baselines=figures,
                              report_s=time.perf_counter() - start)
 
   plan = solve(budget)
@@ -348,13 +348,12 @@ def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None
       so that only tables the batch's wider domain or the fixed FSDP layouts change
       are built again (a table's key holds its classes' domains).
   """
-  problem = solverlib.problem.with_batch_axes(problem, None)
+  problem = solverlib.with_batch_axes(problem, None)
   every = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
-  dp = {c: a for c, a in solverlib.experts.batch_choice(problem, every).items() if a}
-  stored, layouts = solverlib.experts.fsdp(problem)
   out = []
-  for name, choice, fixed in (("data_parallel", dp, None), ("fsdp", {**dp, **stored}, layouts)):
-    solution = solverlib.evaluate(problem, choice, input_layouts=fixed, table_cache=table_cache)
+  for name in ("data_parallel", "fsdp"):
+    layout = solverlib.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")
+    solution = solverlib.evaluate(problem, layout, table_cache=table_cache)
     out.append(planlib.BaselineFigures(
         name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
         memory_bytes=solution.memory_bytes))

@@ -48,35 +48,10 @@ MEGATRON_SPLITS: Mapping[str, tuple[tuple[str, int], ...]] = {
 BASELINES = ("data_parallel", "fsdp", "megatron")
 
 
-# The expert choices the search also evaluates as incumbents (`solver.experts`).
-_widest = solver.experts.widest
-_batch_choice = solver.experts.batch_choice
-_fsdp = solver.experts.fsdp
-
-
-def _megatron_choice(problem, family: str, batch_axes) -> dict[int, tuple[str, ...]]:
-  if family not in MEGATRON_SPLITS:
-    raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
-                     f"known: {', '.join(sorted(MEGATRON_SPLITS))}")
-  model_axes = tuple(a for a in problem.mesh.axis_names if a not in batch_axes)
-  choice = _batch_choice(problem, batch_axes)
-  stacked = solver.experts.stacked_dims(problem)
-  for i in problem.graph.inputs:
-    for pattern, dim in MEGATRON_SPLITS[family]:
-      # A stacked parameter (scan_layers=True) has the layer dim in front of the dims
-      # MEGATRON_SPLITS names.
-      dim += (problem.cv(i.value), 0) in stacked
-      if re.search(pattern, i.path) and len(problem.graph.types[i.value].shape) > dim:
-        # A scanned stack's body reads each layer through a cut: split there too.
-        for c in {problem.vclass(i.value, dim), problem.read_class(i.value, dim),
-                  *solver.experts.body_classes(problem, i.value, dim)}:
-          choice[c] = _widest(problem, c, model_axes)  # stored as it is used
-  for _, outer, inner, read in problem.scan_cuts:  # a stack's gradient kept as made
-    for d in range(len(problem.graph.types[inner].shape)) if not read else ():
-      axes, c = choice.get(problem.value_class[(inner, d)]), problem.vclass(outer, d + 1)
-      if axes and axes in problem.domains[c]:
-        choice[c] = axes
-  return {c: a for c, a in choice.items() if a}
+def _megatron_splits(paths, family: str) -> list[tuple[str, int]]:
+  """(input path, dim of a layer's parameter) Megatron splits over the model axes."""
+  return [(path, dim) for path in paths for pattern, dim in MEGATRON_SPLITS[family]
+          if re.search(pattern, path)]
 
 
 def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=None,
@@ -90,7 +65,7 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
     mesh: Mesh, abstract mesh or dict of axis sizes.
     family: zoo family name (needed by "megatron").
     kwargs: the step's keyword arguments, as for `tapas_jax.search`.
-    remat: a `jax.checkpoint` policy (`solver.remat.POLICIES`: "everything_saveable",
+    remat: a `jax.checkpoint` policy (`solver.REMAT_POLICIES`: "everything_saveable",
       "dots_saveable", "nothing_saveable") for every unique layer with a backward, as
       expert recipes set one (MaxText's `remat_policy`: "full" is nothing_saveable,
       "minimal" saves the dots); costed as the search costs its own remat, and in
@@ -99,7 +74,7 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
     **search_options: the same as keywords, as for `tapas_jax.search`. Of them a
       baseline reads `device`, `links`, `fold`, `batch_axes` (the axes Megatron puts
       the batch on; default: the axes whose names do not say they are meant for the
-      model, `solver.problem.data_axes`; data parallel and FSDP always use every
+      model, `solver.data_axes`; data parallel and FSDP always use every
       axis) and `memory_budget` (the limit it warns over; default: the device's
       memory less headroom). The expert layouts need no solver and no sequence cuts.
 
@@ -109,8 +84,8 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
   """
   if name not in BASELINES:
     raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
-  if remat is not None and remat not in solver.remat.POLICIES:
-    raise ValueError(f"baseline remat={remat!r}: choose one of {solver.remat.POLICIES} "
+  if remat is not None and remat not in solver.REMAT_POLICIES:
+    raise ValueError(f"baseline remat={remat!r}: choose one of {solver.REMAT_POLICIES} "
                      "or None")
   if name == "megatron" and family not in MEGATRON_SPLITS:
     raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
@@ -125,26 +100,23 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
   start = time.perf_counter()
   problem, mesh_spec = prepared.problem, prepared.mesh
   every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
-  layouts = None
   if name == "megatron":
     if batch_axes is None:
-      batch_axes = solver.problem.data_axes(mesh_spec)
-    choice = _megatron_choice(problem, family or "", tuple(batch_axes))
+      batch_axes = solver.data_axes(mesh_spec)
+    layout = solver.layout_choice(
+        problem, batch_axes=tuple(batch_axes),
+        split=_megatron_splits([i.path for i in prepared.graph.inputs], family or ""),
+        split_axes=tuple(a for a in mesh_spec.axis_names if a not in batch_axes))
   else:
-    choice = {c: a for c, a in _batch_choice(problem, every).items() if a}
-    if name == "fsdp":
-      stored, layouts = _fsdp(problem)
-      choice.update(stored)
+    layout = solver.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")
   modes = {}
   if remat is not None:
     modes = {u.index: remat for u in prepared.folded.unique_layers
-             if solver.remat.layer_remats(prepared.folded, u.index, remat)}
-  solution = solver.evaluate(problem, choice, input_layouts=layouts,
-                             folded=prepared.folded, remat=modes)
-  plan = planlib.make_plan(problem, prepared.folded, solution, args,
+             if solver.layer_remats(prepared.folded, u.index, remat)}
+  solution = solver.evaluate(problem, layout, folded=prepared.folded, remat=modes)
+  plan = planlib.make_plan(prepared.folded, solution, args,
                            search_s=prepared.prepare_s + time.perf_counter() - start,
-                           name=name if not modes else f"{name}+{remat}",
-                           input_layouts=layouts, kwargs=kwargs)
+                           name=name if not modes else f"{name}+{remat}", kwargs=kwargs)
   limit = api.resolve_budget(config.memory_budget, problem.profile)
   if limit is not None and plan.stats.predicted_memory_bytes > limit:
     # A baseline is a fixed layout to compare against, so it is returned, but it says

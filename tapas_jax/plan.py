@@ -20,24 +20,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import html
-import math
-import re
 import time
 from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
-from tapas_jax import cost as costlib
 from tapas_jax import plan_file
 from tapas_jax.options import format_bytes
 from tapas_jax.fold import Folded
 from tapas_jax.plan_records import (BaselineFigures, CompiledFigures, Constraint, Decision,
                                     LayerStrategy, PlanStats)
-from tapas_jax.solver import Problem, Solution
-from tapas_jax.solver import remat, tables
+from tapas_jax.solver import InputSpec, Solution
 
 __all__ = ["BaselineFigures", "CompiledFigures", "Constraint", "Decision", "LayerStrategy",
            "Plan", "PlanStats", "make_plan"]
@@ -258,25 +253,28 @@ def _timings(s: PlanStats) -> str:
                    if t or name in ("trace", "fold", "search"))
 
 
-def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequence[Any],
-              search_s: float, name: str = "tapas",
-              input_layouts: Mapping[int, costlib.Layout] | None = None,
-              kwargs: Mapping[str, Any] | None = None,
-              baselines: Sequence[BaselineFigures] = (), report_s: float = 0.0):
+def make_plan(folded: Folded, solution: Solution, args: Sequence[Any], search_s: float,
+              name: str = "tapas", kwargs: Mapping[str, Any] | None = None,
+              baselines: Sequence[BaselineFigures] = (), report_s: float = 0.0) -> Plan:
   """Turns a solution into a `Plan` (PartitionSpecs per argument, report, stats).
 
+  Everything the plan says of the layout comes from `solution.terms` (the solver's
+  result in plan terms); the program's structure (its layers, its arguments' pytrees,
+  the timings) from `folded` and `args`.
+
   Args:
-    input_layouts: inputs stored in a fixed layout rather than their classes' (the
-      FSDP baseline); their specs come from here.
+    folded: the program traced and folded (`fold.fold`), the one solved.
+    solution: from `solver.solve` or `solver.evaluate` on it.
+    args: the positional arguments traced, for their pytree structure.
+    search_s: seconds building the problem and solving it.
+    name: "tapas", or the baseline's name.
     kwargs: the keyword arguments traced (after `args`, in sorted name order).
     baselines: expert layouts' figures to report next to this plan's.
     report_s: seconds costing them (`PlanStats.report_s`).
   """
   start = time.perf_counter()
-  g = problem.graph
-  fixed = input_layouts or {}
-  specs = [PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, solution.choice))
-                         .to_partition_spec()) for i in g.inputs]
+  g, terms = folded.graph, solution.terms
+  specs = [i.stored for i in terms.inputs]
   names = sorted(kwargs or {})
   all_specs, k = [], 0
   for arg in tuple(args) + tuple(kwargs[n] for n in names):
@@ -284,38 +282,7 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
     all_specs.append(jax.tree_util.tree_unflatten(treedef, specs[k:k + len(leaves)]))
     k += len(leaves)
   in_specs, kwargs_specs = all_specs[:len(args)], dict(zip(names, all_specs[len(args):]))
-  spec_of = {i.value: s for i, s in zip(g.inputs, specs)}
-  use_of = {}
-  for i in g.inputs:
-    classes = problem.reader_dims.get((problem.cv(i.value), False))
-    if classes is not None and _spec(classes, solution.choice) != spec_of[i.value]:
-      use_of[i.value] = _spec(classes, solution.choice)
-  layers = []
-  groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
-            for u in folded.unique_layers]
-  groups.append(("glue", 1, [i for seg in folded.glue for i in seg.ops]))
-  for layer_name, count, ops in groups:
-    read: dict[str, int] = {}
-    for i in ops:
-      for v in g.ops[i].inputs:
-        if v in spec_of:
-          read.setdefault(g.input_path[v], v)
-    if not read:
-      continue
-    layers.append(LayerStrategy(
-        name=layer_name, instances=count,
-        param_specs=tuple((path, spec_of[v]) for path, v in read.items()),
-        use_specs=tuple((path, use_of[v]) for path, v in read.items() if v in use_of)))
-  # One line per kind of split: copies of a layer differ only in their numbers.
-  class_axes, seen = [], set()
-  for c, axes in sorted(solution.choice.items(), key=lambda kv: -problem.classes[kv[0]].size):
-    example = _generic(problem.classes[c].example)
-    if (example, axes) not in seen:
-      seen.add((example, axes))
-      class_axes.append((example, problem.classes[c].size, axes))
-  class_axes = tuple(class_axes)
-  constraints = _constraints(problem, solution, fixed)
-  rows = decisions(problem, solution)
+  layers = _layers(folded, terms.inputs)
   stats = PlanStats(
       num_equations=len(g.ops),
       num_layer_instances=len(folded.instances),
@@ -328,205 +295,36 @@ def make_plan(problem: Problem, folded: Folded, solution: Solution, args: Sequen
       predicted_state_bytes=solution.state_bytes,
       predicted_memory_bytes=solution.memory_bytes,
       cost_tables_built=solution.tables_built,
-      solver_status=solution.status,
+      solver_status=str(solution.status),
       plan_s=time.perf_counter() - start,
       report_s=report_s,
   )
-  return Plan(mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
-              device=problem.profile.name, in_specs=tuple(in_specs),
-              class_axes=class_axes, layers=tuple(layers), stats=stats,
-              fingerprint=g.regions[0].fingerprint, name=name, constraints=constraints,
-              kwargs_specs=kwargs_specs,
-              input_types=tuple((i.path, str(g.types[i.value])) for i in g.inputs),
-              decisions=rows, baselines=tuple(baselines),
-              remat=remat.policy_names(folded, solution.remat))
+  return Plan(mesh_axes=dict(terms.mesh_axes), device=terms.device, in_specs=tuple(in_specs),
+              class_axes=terms.class_axes, layers=layers, stats=stats,
+              fingerprint=g.regions[0].fingerprint, name=name, constraints=terms.constraints,
+              kwargs_specs=kwargs_specs, input_types=tuple((i.path, i.type) for i in terms.inputs),
+              decisions=terms.decisions, baselines=tuple(baselines), remat=terms.remat)
 
 
-def decisions(problem: Problem, solution: Solution) -> tuple[Decision, ...]:
-  """One `Decision` per kind of dimension with a choice (copies of a layer alike):
-  split ones first, then the batch, widest first."""
-  names = _class_names(problem)
-  rows, seen = [], set()
-  order = sorted((c for c, dom in enumerate(problem.domains) if len(dom) > 1),
-                 key=lambda c: (not solution.choice.get(c), not problem.classes[c].batch,
-                                -problem.classes[c].size, c))
-  for c in order:
-    axes = tuple(solution.choice.get(c, ()))
-    name = names.get(c) or _generic(problem.classes[c].example) or f"class {c}"
-    if (name, axes) in seen:
-      continue
-    seen.add((name, axes))
-    rows.append(Decision(name=name, size=problem.classes[c].size, axes=axes,
-                         why=_why(axes, solution.reasons.get(c))))
-  return tuple(rows)
-
-
-def _class_names(problem: Problem) -> dict[int, str]:
-  """Names the program gives classes: logical axis names of parameter dims, "batch"."""
-  g, out = problem.graph, {}
-  for i in g.inputs:
-    for d, name in enumerate(i.logical_axes):
-      if name:
-        for c in {problem.vclass(i.value, d), problem.read_class(i.value, d)}:
-          out.setdefault(c, name)
-  for c in problem.classes:
-    if c.batch:
-      out.setdefault(c.index, "batch")
-  # Sequence parallelism: positions (a sequence, an image's pixels) held apart by the
-  # contractions with weights and the norms and residual adds between them.
-  for (v, side), dims in problem.reader_dims.items():
-    if side not in ("dot", "elem"):
-      continue
-    for d, c in enumerate(dims):
-      made = problem.value_class[(v, d)]
-      if c != made:
-        inside, outside = (c, made) if side == "dot" else (made, c)
-        out.setdefault(outside, "positions between contractions")
-        out.setdefault(inside, "positions in contractions")
-  return out
-
-
-def _why(axes: tuple[str, ...], reason) -> str:
-  """The best other choice, everything else kept, and what it would add."""
-  if reason is None:
-    return ""
-  other = f"over {'x'.join(reason.alternative)}" if reason.alternative else "unsplit"
-  if not math.isfinite(reason.delta_s):
-    return "any other axes clash with dims it meets (an op split twice on one axis)"
-  if reason.delta_s <= 0:
-    return f"tie with {other}"
-  return (f"{other}: {_duration(reason.delta_s)}/step, "
-          f"{reason.delta_comm_bytes / 2**20:+.2f} MiB")
-
-
-def _duration(seconds: float) -> str:
-  if abs(seconds) >= 1e-3:
-    return f"+{seconds * 1e3:.3f} ms"
-  return f"+{seconds * 1e6:.1f} µs"
-
-
-def _spec(classes: Sequence[int | None], choice: Mapping[int, tuple[str, ...]]):
-  """The PartitionSpec of a value whose dims are in these classes, as the cost tables
-  read it (an axis splits only the first dim that asks for it)."""
-  axes = [choice.get(c, ()) if c is not None else () for c in classes]
-  layout = costlib.Layout(tables.mesh_dims(range(len(axes)), axes))
-  return PartitionSpec(*layout.to_partition_spec())
-
-
-def _generic(example: str) -> str:
-  """'params/Block_3/MLP/fc1/kernel[1]' -> 'params/Block_*/MLP/fc1/kernel[1]'."""
-  head, sep, dim = example.rpartition("[")
-  return re.sub(r"\d+", "*", head) + sep + dim if sep else re.sub(r"\d+", "*", example)
-
-
-def _constraints(problem: Problem, solution: Solution,
-                 fixed: Mapping[int, costlib.Layout]) -> tuple:
-  """Where a cut value is read in another layout than it was made or stored in, the
-  reading equations of every copy get that layout pinned (see `plan.Constraint`)."""
-  g, view = problem.graph, problem.view
-  specs: dict[tuple, PartitionSpec] = {}  # copies of a layer read alike: one spec each
-
-  def spec(classes):
-    key = tuple(classes)
-    if key not in specs:
-      specs[key] = _spec(key, solution.choice)
-    return specs[key]
-
-  read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
-  top = g.region_ops(0)
+def _layers(folded: Folded, inputs: Sequence[InputSpec]) -> tuple[LayerStrategy, ...]:
+  """Each unique layer's (then the glue's) parameters, as its first instance reads them."""
+  g = folded.graph
+  by_value = {i.value: i for i in inputs}
+  groups = [(u.name, len(u.instances), folded.instances[u.instances[0]].ops)
+            for u in folded.unique_layers]
+  groups.append(("glue", 1, [i for seg in folded.glue for i in seg.ops]))
   out = []
-  # Contractions' results as planned, reduced where they are made: XLA propagates the
-  # rest from these, and otherwise picks layouts of its own between them. A reader
-  # through a cut gets the made layout first, then its own (below): XLA reduces the
-  # result where it is made and reshards it, as the cut is priced.
-  for op in top:
-    rep = view.op_canon.get(op.index, op.index)
-    rule = problem.rules.get(rep)
-    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
-    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+  for layer_name, count, ops in groups:
+    read: dict[str, int] = {}
+    for i in ops:
+      for v in g.ops[i].inputs:
+        if v in by_value:
+          read.setdefault(g.input_path[v], v)
+    if not read:
       continue
-    v = op.outputs[0]
-    made = spec([None if f is None else problem.vclass(v, d)
-                 for d, f in enumerate(rule.outputs[0])])
-    for r in g.consumers.get(v, ()):
-      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
-      if reader.region != 0:
-        continue
-      out += [Constraint(site=reader.site, slot=k, spec=made)
-              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
-              if x == v]
-  for op in top:
-    # Each copy reads as the op standing for it does: an interior copy reading the
-    # last layer's output reads it through the representative's cut.
-    rep = view.op_canon.get(op.index, op.index)
-    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      classes = read_dims(rep, y)
-      if classes is None or x in g.literals:
-        continue
-      want = spec(classes)
-      if x in fixed:
-        have = PartitionSpec(*fixed[x].to_partition_spec())
-      else:
-        have = spec([problem.value_class.get((problem.cv(x), d))
-                     for d in range(len(g.types[x].shape))])
-      if want == have:  # read as it is: nothing for XLA to be told
-        continue
-      if x not in fixed and not _from_partial_sums(problem, solution.choice, x):
-        # Made whole from whole values, read split through a cut (a statistic into
-        # state stored apart): pinned as made first, so that XLA slices it here rather
-        # than carrying the split back into the compute that makes it. (Made from
-        # partial sums, a gradient, XLA may reduce-scatter straight into the read
-        # layout: pinning it whole first would force an all-reduce.)
-        out.append(Constraint(site=op.site, slot=k, spec=have))
-      out.append(Constraint(site=op.site, slot=k, spec=want))
-  return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
-
-
-def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]
-                          ) -> tuple:
-  """A stacked parameter stored in another layout than the scan's body reads it in
-  (`Problem.scan_cuts`): every body equation reading the iteration's slice reads it
-  pinned in the body's layout, so XLA gathers one layer per iteration inside the loop
-  (as priced) rather than the whole stack before it."""
-  g, out = problem.graph, []
-  for _, outer, inner, read in problem.scan_cuts:
-    rank = len(g.types[inner].shape)
-    if not read or not rank:
-      continue
-    stored = (PartitionSpec(*costlib.Layout(fixed[outer].dims[1:]).to_partition_spec())
-              if outer in fixed else spec([problem.vclass(outer, d + 1) for d in range(rank)]))
-    want = spec([problem.value_class[(inner, d)] for d in range(rank)])
-    if want == stored:
-      continue
-    for c in g.consumers.get(inner, ()):
-      out += [Constraint(site=g.ops[c].site, slot=k, spec=want)
-              for k, x in enumerate(g.ops[c].inputs) if x == inner]
+    out.append(LayerStrategy(
+        name=layer_name, instances=count,
+        param_specs=tuple((path, by_value[v].stored) for path, v in read.items()),
+        use_specs=tuple((path, by_value[v].used) for path, v in read.items()
+                        if by_value[v].used is not None)))
   return tuple(out)
-
-
-def _from_partial_sums(problem: Problem, choice, v: int) -> bool:
-  """Whether v is an input, or made from partial sums under the choice: a reduction
-  with a split reduced dim, reached back through ops that reduce nothing."""
-  g, canon = problem.graph, problem.view.op_canon
-  todo, seen = [v], set()
-  while todo:
-    x = todo.pop()
-    made = g.producer.get(x)
-    if made is None:
-      if x == v:
-        return True  # an input: stored, not made
-      continue
-    if made in seen:
-      continue
-    seen.add(made)
-    rule, classes = problem.rules.get(canon.get(made, made)), problem.factor_class.get(
-        canon.get(made, made), ())
-    if rule is None:
-      return True  # not searched (in a loop body): leave it to XLA
-    if any(choice.get(classes[f]) for f in rule.reduce if f < len(classes)
-           and classes[f] >= 0):
-      return True
-    if not rule.reduce:
-      todo.extend(y for y in g.ops[made].inputs if y not in g.literals)
-  return False
-

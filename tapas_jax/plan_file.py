@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 
 from tapas_jax import plan_records as records
 from tapas_jax.errors import TapasError
-from tapas_jax.solver import remat as rematlib
+from tapas_jax.solver import REMAT_POLICIES
 from tapas_jax.trace import key_path_str
 
 __all__ = ["SCHEMA", "VERSION", "PlanFileError", "StoredNode", "bind_specs", "from_json",
@@ -520,8 +520,8 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
   for j, item in enumerate(r.array(data.get("remat", []), "remat")):  # optional: older
     layer, policy = r.pair(item, f"remat[{j}]")                      # files have none
     policy = r.string(policy, f"remat[{j}][1]")
-    if policy not in rematlib.POLICIES:
-      raise r.fail(f"remat[{j}][1]", f"one of {rematlib.POLICIES}", policy)
+    if policy not in REMAT_POLICIES:
+      raise r.fail(f"remat[{j}][1]", f"one of {REMAT_POLICIES}", policy)
     remat.append((r.string(layer, f"remat[{j}][0]"), policy))
   compiled = _compiled(r, data["compiled"]) if "compiled" in data else None
   return plan_type(

@@ -3,7 +3,8 @@ each unique layer's parameter specs (`LayerStrategy`), the layouts `apply` pins 
 the program (`Constraint`), what was decided and why (`Decision`), the baselines'
 figures (`BaselineFigures`) and the compiler's (`CompiledFigures`).
 
-Frozen data only: `tapas_jax.plan` builds and reports them, `tapas_jax.plan_file`
+Frozen data only (`Constraint` and `Decision` are the solver's, `solver.PlanTerms`
+holds them): `tapas_jax.plan` builds and reports them, `tapas_jax.plan_file`
 writes and reads them; both import this module (names importable from `plan` too).
 
 Example:
@@ -15,9 +16,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jax.sharding import PartitionSpec
+
+# The solver's result speaks in these two: defined with it, a plan's records all the same.
+from tapas_jax.solver import Constraint, Decision
 
 __all__ = ["BaselineFigures", "CompiledFigures", "Constraint", "Decision", "LayerStrategy",
            "PlanStats"]
@@ -82,46 +85,6 @@ class LayerStrategy:
   instances: int
   param_specs: tuple[tuple[str, PartitionSpec], ...]
   use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Constraint:
-  """A layout the applied program pins on one operand of one equation.
-
-  Where a value is read in another layout than it is made or stored in (a parameter
-  stored split over `data` and used gathered; a gradient made for the compute and
-  reduced into the update's layout), `apply` feeds the reading equation
-  `with_sharding_constraint(value, spec)`.
-
-  Attributes:
-    site: the reading equation's `Op.site` (equation indices through inlined calls).
-    slot: which operand.
-    spec: the layout it reads.
-  """
-
-  site: tuple[Any, ...]
-  slot: int
-  spec: PartitionSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What the search chose for one kind of dimension, and why.
-
-  Attributes:
-    name: a name users know: the logical axis name the program gives it (flax
-      `with_logical_partitioning` / nnx `with_partitioning`), "batch", or else a
-      parameter path and dim ("params/Block_*/MLP/fc1/kernel[1]").
-    size: the dimension's size.
-    axes: mesh axes it is split over (() = not split).
-    why: the best single change and its price, everything else kept: "replicated:
-      over model +37.2 us/step (+1.5 MiB sent)".
-  """
-
-  name: str
-  size: int
-  axes: tuple[str, ...]
-  why: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import api
-from tapas_jax import cost as costlib
 from tapas_jax import plan as planlib
 from tapas_jax import solver
 from tapas_jax.api import SearchOptions
@@ -250,28 +249,13 @@ def forward_plan(module_plan: ModulePlan, forward: Callable, params, state,
     raise ValueError(f"forward_plan: the train plan has {len(stored)} parameter, state and "
                      f"input specs, the forward {len(graph.inputs)} inputs")
   used = {path: spec for layer in train.layers for path, spec in layer.use_specs}
-  choice: dict[int, tuple[str, ...]] = {}
-  layouts: dict[int, costlib.Layout] = {}
-  for inp, spec in zip(graph.inputs, stored):
-    rank = len(graph.types[inp.value].shape)
-    layouts[inp.value] = costlib.Layout(_entries(spec, rank))
-    use = used.get(inp.path, spec) if inp.arg == 0 else spec
-    for d, axes in enumerate(_entries(use, rank)):
-      c = problem.vclass(inp.value, d)
-      if axes and axes in problem.domains[c]:
-        choice.setdefault(c, axes)
-  solution = solver.evaluate(problem, choice, input_layouts=layouts)
-  return planlib.make_plan(problem, prepared.folded, solution, args,
-                           search_s=prepared.prepare_s, name=f"{train.name} (forward)",
-                           input_layouts=layouts)
-
-
-def _entries(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
-  out = []
-  for d in range(rank):
-    entry = spec[d] if d < len(spec) else None
-    out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-  return tuple(out)
+  layout = solver.layout_choice(
+      problem, stored={i.path: spec for i, spec in zip(graph.inputs, stored)},
+      used={i.path: used.get(i.path, spec) if i.arg == 0 else spec
+            for i, spec in zip(graph.inputs, stored)})
+  solution = solver.evaluate(problem, layout)
+  return planlib.make_plan(prepared.folded, solution, args, search_s=prepared.prepare_s,
+                           name=f"{train.name} (forward)")
 
 
 # -- linen ---------------------------------------------------------------------------

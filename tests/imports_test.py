@@ -235,6 +235,89 @@ def test_every_lazy_import_listed_is_used():
   assert set(LAZY) <= used, sorted(set(LAZY) - used)
 
 
+# The modules above the solver that build plans see only its result and its public
+# names (`tapas_jax/solver/__init__.py` `__all__`): no submodule, no class id read off
+# a `Problem` by hand (issue 19).
+SOLVER_CLIENTS = ("tapas_jax.plan", "tapas_jax.plan_records", "tapas_jax.plan_file",
+                  "tapas_jax.baselines", "tapas_jax.shard_flax", "tapas_jax.api")
+
+
+def solver_surface(init_source: str) -> set[str]:
+  """The names in the solver package's `__all__`."""
+  for node in ast.parse(init_source).body:
+    if (isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+      return set(ast.literal_eval(node.value))
+  raise AssertionError("tapas_jax/solver/__init__.py has no __all__")
+
+
+def solver_leaks(name: str, source: str, surface: set[str]) -> list[str]:
+  """Where `source` reaches into the solver past `surface`: a submodule imported
+  (`from tapas_jax.solver import remat`, `import tapas_jax.solver.tables`), a name
+  imported or read (`solver.experts`, `solverlib.problem.x`) that is not public."""
+  out, aliases = [], set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.startswith("tapas_jax.solver."):
+          out.append(f"{name}:{node.lineno} imports {a.name}")
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      if node.module.startswith("tapas_jax.solver."):
+        out.append(f"{name}:{node.lineno} imports from {node.module}")
+      elif node.module == "tapas_jax.solver":
+        out += [f"{name}:{node.lineno} imports tapas_jax.solver.{a.name}, not public"
+                for a in node.names if a.name not in surface]
+      elif node.module == "tapas_jax":
+        aliases |= {a.asname or a.name for a in node.names if a.name == "solver"}
+  for node in ast.walk(ast.parse(source)):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr not in surface):
+      out.append(f"{name}:{node.lineno} reads {node.value.id}.{node.attr}, not public")
+  return out
+
+
+# What a `Problem` or `Solution` says in class ids: the plan, the baselines and the
+# forward plans state layouts in plan terms (`solver.layout_choice`) and read the
+# solver's result in plan terms (`Solution.terms`) instead.
+CLASS_ID_READS = frozenset({"choice", "classes", "cv", "domains", "factor_class",
+                            "read_class", "reader_dims", "scan_cuts", "value_class",
+                            "vclass"})
+
+
+def class_id_reads(name: str, source: str) -> list[str]:
+  return [f"{name}:{node.lineno} reads .{node.attr}" for node in ast.walk(ast.parse(source))
+          if isinstance(node, ast.Attribute) and node.attr in CLASS_ID_READS]
+
+
+def test_plans_see_the_solver_through_its_public_names_only():
+  sources = package_sources()
+  surface = solver_surface(sources["tapas_jax.solver"])
+  found = [leak for name in SOLVER_CLIENTS
+           for leak in solver_leaks(name, sources[name], surface)]
+  found += [leak for name in ("tapas_jax.plan", "tapas_jax.baselines", "tapas_jax.shard_flax")
+            for leak in class_id_reads(name, sources[name])]
+  assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from tapas_jax.solver import Solution\nfrom tapas_jax import solver\nsolver.solve\n", []),
+    ("from tapas_jax.solver import remat, tables\n",
+     ["m:1 imports tapas_jax.solver.remat, not public",
+      "m:1 imports tapas_jax.solver.tables, not public"]),
+    ("from tapas_jax.solver.problem import Problem\nimport tapas_jax.solver.memory\n",
+     ["m:2 imports tapas_jax.solver.memory", "m:1 imports from tapas_jax.solver.problem"]),
+    ("from tapas_jax import solver as s\nx = s.experts.fsdp\ny = s.evaluate\n",
+     ["m:2 reads s.experts, not public"]),
+])
+def test_the_solver_surface_check_finds_each_leak(source, expected):
+  assert sorted(solver_leaks("m", source, {"Solution", "solve", "evaluate"})) == sorted(expected)
+
+
+def test_the_class_id_check_finds_each_read():
+  source = "c = problem.vclass(v, 0)\nok = problem.mesh\naxes = solution.choice[c]\n"
+  assert class_id_reads("m", source) == ["m:1 reads .vclass", "m:3 reads .choice"]
+
+
 # A module longer than this has more than one job: split it along a seam, each part
 # named for its job.
 MAX_LINES = 800

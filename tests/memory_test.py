@@ -13,7 +13,7 @@ import pytest
 
 import tapas_jax as tapas
 from tapas_jax import baselines, cost, measure, models, trace
-from tapas_jax.solver import build_problem, fusion, memory
+from tapas_jax.solver import build_problem, experts, fusion, memory
 from tapas_jax.solver.tables import evaluate_tables
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -76,7 +76,7 @@ def test_a_gathered_parameter_counts_only_where_it_is_stored_apart():
   dp = batch_choice(p, ("data", "model"))
   assert sum(memory._per_device(p, acts, dp)[copies]) == 0  # stored as used
   # FSDP: stored split over every axis, used whole: each copy is the whole parameter.
-  fsdp = {**dp, **baselines._fsdp(p)[0]}
+  fsdp = {**dp, **experts.fsdp(p)[0]}
   per = memory._per_device(p, acts, fsdp)
   split = [k for k in copies if any(fsdp.get(c) for c in acts.stored[k])]
   assert split
@@ -228,8 +228,8 @@ def test_a_gradient_waits_for_the_update_reduced_not_whole(device, shards):
   p = tapas.api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)), mesh=MESH,
                         device=device, batch_axes=None).problem
   every = ("data", "model")
-  choice = {c: a for c, a in baselines._batch_choice(p, every).items() if a}
-  choice.update(baselines._fsdp(p)[0])
+  choice = {c: a for c, a in experts.batch_choice(p, every).items() if a}
+  choice.update(experts.fsdp(p)[0])
   acts = memory.activations(p)
   g = p.graph
   top = g.region_ops(0)

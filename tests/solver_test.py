@@ -561,3 +561,66 @@ if __name__ == "__main__":
     sys.exit(f"usage: {sys.argv[0]} --update-golden  (rewrites {GOLDEN_DIR}/*.json)")
   os.environ["TAPAS_UPDATE_GOLDEN"] = "1"
   sys.exit(pytest.main([__file__, "-q", "-k", "golden"]))
+
+
+# -- the solver's result, in plan terms --------------------------------------------
+
+
+def test_a_solution_states_itself_in_plan_terms_once():
+  problem = gpt_problem(2, fold=True)
+  solution = solver.solve(problem)
+  terms = solution.terms
+  assert solution.terms is terms, "built once, when first read"
+  assert solution.status is solver.Status.OPTIMAL and solution.status == "optimal"
+  assert [i.path for i in terms.inputs] == [i.path for i in problem.graph.inputs]
+  assert any(d.axes for d in terms.decisions) and terms.constraints
+  assert any(i.used is not None and i.used != i.stored for i in terms.inputs), "ZeRO"
+  assert all(i.used is None or i.used != i.stored for i in terms.inputs)
+  with pytest.raises(ValueError, match="not made by solve or evaluate"):
+    dataclasses.replace(solution, make_terms=None).terms  # noqa: B018
+
+
+def test_a_layout_stated_by_its_specs_is_stored_as_stated():
+  # The solved plan's own layout, stated per input path (stored as, used as), costed
+  # again: every input is stored as it was, and the figures are the same.
+  problem = gpt_problem(2, fold=True)
+  solution = solver.solve(problem)
+  inputs = solution.terms.inputs
+  layout = solver.layout_choice(problem, stored={i.path: i.stored for i in inputs},
+                                used={i.path: i.used or i.stored for i in inputs})
+  again = solver.evaluate(problem, layout)
+  assert [i.stored for i in again.terms.inputs] == [i.stored for i in inputs]
+  assert again.state_bytes == solution.state_bytes
+
+
+@pytest.mark.parametrize("options, splits", [
+    (dict(batch_axes=("data", "model")), "batch"),
+    (dict(batch_axes=("data", "model"), fsdp=True), "batch and state"),
+    (dict(batch_axes=("data",), split=[("params/Block_0/MLP/fc1/kernel", 1)],
+          split_axes=("model",)), "batch and columns"),
+])
+def test_layout_choice_states_the_expert_layouts(options, splits):
+  problem = gpt_problem(2, fold=True)
+  terms = solver.evaluate(problem, solver.layout_choice(problem, **options)).terms
+  split = {d.name: d.axes for d in terms.decisions if d.axes}
+  assert split.get("batch"), split
+  stored = {i.path: i.stored for i in terms.inputs}
+  if "state" in splits:  # ZeRO-3: every parameter stored split, somewhere
+    assert any(s != jax.sharding.PartitionSpec(None, None) for p, s in stored.items()
+               if p.endswith("fc1/kernel"))
+  if "columns" in splits:
+    fc1 = [s for p, s in stored.items() if p == "params/Block_0/MLP/fc1/kernel"]
+    assert fc1 == [jax.sharding.PartitionSpec(None, "model")], fc1
+
+
+def test_layout_choice_names_what_is_not_an_input():
+  problem = gpt_problem(2, fold=True)
+  with pytest.raises(ValueError, match=r"used names \['no/such/param'\], not inputs"):
+    solver.layout_choice(problem, used={"no/such/param": jax.sharding.PartitionSpec()})
+  with pytest.raises(ValueError, match="brings its own input_layouts"):
+    solver.evaluate(problem, solver.layout_choice(problem), input_layouts={})
+
+
+def test_an_unknown_stop_keeps_the_solver_s_message():
+  assert solver.Status.of("time_limit") is solver.Status.TIME_LIMIT
+  assert solver.Status.of("Unbounded.") == "Unbounded."

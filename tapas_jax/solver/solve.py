@@ -4,7 +4,9 @@
 elimination (exact; `solver="elimination"`) or as one integer program (HiGHS;
 `solver="ilp"`, the Alpa-style reference). `reuse=True` builds each cost table once per
 structurally identical op (folding's saving); it never changes the objective.
-`evaluate` costs a given choice by the same model (the baselines use it).
+`evaluate` costs a given choice by the same model (the baselines use it). Both return a
+`result.Solution`: its figures, and its `terms` (the plan's specs, constraints and
+decisions), which is all a plan is built from.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -35,58 +37,21 @@ from tapas_jax.options import SOLVERS
 from tapas_jax.solver import experts
 from tapas_jax.solver.budget import (BudgetResult, best_of, budget_error, fit_budget, repair,
                                      within_budget)
-from tapas_jax.solver.explain import Reason, reasons
+from tapas_jax.solver.explain import reasons
 from tapas_jax.solver.eliminate import (Schedule, TooEntangled, merge, merge_into,
                                         reduced_domains, restrict, take)
 from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
 from tapas_jax.solver.memo import memo
+from tapas_jax.solver.layouts import LayoutChoice
 from tapas_jax.solver.memory import Activations, activation_peak, activations, memory_tables
+from tapas_jax.solver.plan_terms import plan_terms
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.result import Solution, Status
 from tapas_jax.solver.tables import Table, TableBuilder, all_tables, evaluate_tables
 
 __all__ = ["SOLVERS", "Solution", "cached_activations", "evaluate", "solve",
            "warn_unsplittable"]
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Solution:
-  """A solved problem.
-
-  Attributes:
-    choice: class id -> mesh axes.
-    step_s: predicted compute + communication seconds per step.
-    comm_bytes: bytes sent per device per step, summed over collectives.
-    state_bytes: per-device bytes of the program's inputs under the plan.
-    activation_bytes: per-device bytes of the intermediates live at the activation peak
-      under the plan (its remat included).
-    tables_built: op cost tables computed (not reused).
-    solve_s: seconds spent.
-    memory_weight: final Lagrange weight on state bytes (0 without a budget).
-    status: "optimal", or "time_limit" when the integer program stopped early.
-    reasons: class id -> its best single alternative, priced (`explain.reasons`).
-    remat: unique layer index -> `jax.checkpoint` policy name, for the layers
-      rematerialised (`solver.remat`; chosen only under a budget); `step_s` includes
-      their recompute.
-  """
-
-  choice: Mapping[int, tuple[str, ...]]
-  step_s: float
-  comm_bytes: float
-  state_bytes: float
-  activation_bytes: float
-  tables_built: int
-  solve_s: float
-  memory_weight: float
-  status: str = "optimal"
-  reasons: Mapping[int, Reason] = dataclasses.field(default_factory=dict)
-  remat: Mapping[int, str] = dataclasses.field(default_factory=dict)
-
-  @property
-  def memory_bytes(self) -> float:
-    """Predicted per-device bytes: the inputs plus the live intermediates at the peak."""
-    return self.state_bytes + self.activation_bytes
 
 
 def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
@@ -150,10 +115,13 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   choice = {c: problem.domains[c][i] for c, i in assignment.items() if problem.domains[c][i]}
   # `choose` hands back the chosen plan's activations, its remat applied.
   peak = activation_peak(problem, acts if acts is not None else plain_acts, choice)[0]
+  why = reasons(problem, tables, assignment)
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   activation_bytes=peak, tables_built=builder.built,
                   solve_s=time.perf_counter() - start, memory_weight=result.weight,
-                  status=result.status, reasons=reasons(problem, tables, assignment), remat=modes)
+                  status=Status.of(result.status), reasons=why, remat=modes,
+                  make_terms=functools.partial(plan_terms, problem, choice, why, modes, None,
+                                               folded))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +245,7 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit,
                  budget)
 
 
-def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
+def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutChoice,
              input_layouts: Mapping[int, costlib.Layout] | None = None,
              table_cache: dict | None = None, folded=None,
              remat: Mapping[int, str] | None = None) -> Solution:
@@ -286,12 +254,19 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
 
   Args:
+    choice: class id -> mesh axes, or a layout stated in plan terms (`layout_choice`),
+      which brings its own `input_layouts`.
+    input_layouts: input value -> a fixed layout it is stored in.
     folded: the program's `fold.Folded`; needed with `remat`.
     remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
       the layers rematerialised; their recompute is costed as the search costs it.
     table_cache: as for `solve`: the search's tables and activations, shared.
   """
   start = time.perf_counter()
+  if isinstance(choice, LayoutChoice):
+    if input_layouts is not None:
+      raise ValueError("evaluate: a LayoutChoice brings its own input_layouts; pass one")
+    choice, input_layouts = choice.choice, choice.input_layouts
   builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(problem, builder)
   remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}
@@ -312,10 +287,13 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]],
   step_s, comm = evaluate_tables(tables, index)
   state = evaluate_tables(memory_tables(problem, input_layouts), index)[0]
   peak = activation_peak(problem, acts, choice)[0]
-  return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
+  choice, why = dict(choice), reasons(problem, tables, index)
+  return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   activation_bytes=peak, tables_built=builder.built,
                   solve_s=time.perf_counter() - start, memory_weight=0.0,
-                  reasons=reasons(problem, tables, index), remat=remat)
+                  reasons=why, remat=remat,
+                  make_terms=functools.partial(plan_terms, problem, choice, why, remat,
+                                               input_layouts, folded))
 
 
 def cached_activations(problem: Problem, cache: dict | None) -> Activations:

@@ -1,0 +1,267 @@
+"""A class choice in plan terms (`result.PlanTerms`): each input's stored and used
+`PartitionSpec`, the layouts `apply` pins where a value is read in another layout than
+it is made or stored in, and each kind of dimension's decision with its reason.
+
+`solve` and `evaluate` hand `plan_terms` to their `Solution`, which builds it once,
+when it is first read.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from tapas_jax import cost, trace
+  >>> from tapas_jax.solver import build_problem, evaluate, layout_choice
+  >>> graph = trace.trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+  ...                     jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+  ...                     jax.ShapeDtypeStruct((65536, 4096), jnp.float32))
+  >>> p = build_problem(graph, cost.mesh_spec({"data": 8}, "h100"),
+  ...                   cost.get_profile("h100"), None)
+  >>> terms = evaluate(p, layout_choice(p, batch_axes=("data",))).terms
+  >>> [(d.name, d.axes) for d in terms.decisions][:1], [c.spec for c in terms.constraints]
+  ([('batch', ('data',))], [P('data', None)])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+from tapas_jax import cost as costlib
+from tapas_jax.fold import Folded
+from tapas_jax.solver import remat as rematlib
+from tapas_jax.solver.explain import Reason
+from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.result import Constraint, Decision, InputSpec, PlanTerms
+from tapas_jax.solver.tables import mesh_dims
+
+__all__ = ["plan_terms"]
+
+Choice = Mapping[int, tuple[str, ...]]
+
+
+def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
+               remat: Mapping[int, str], input_layouts: Mapping[int, costlib.Layout] | None,
+               folded: Folded | None) -> PlanTerms:
+  """`choice` (with `reasons`, the `remat` chosen and the inputs stored in a fixed
+  layout, `input_layouts`) in plan terms; `folded` names the remat's layers."""
+  g, fixed = problem.graph, input_layouts or {}
+  stored = {i.value: PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, choice))
+                                   .to_partition_spec()) for i in g.inputs}
+  inputs = []
+  for i in g.inputs:
+    classes = problem.reader_dims.get((problem.cv(i.value), False))
+    used = _spec(classes, choice) if classes is not None else None
+    inputs.append(InputSpec(value=i.value, path=i.path, type=str(g.types[i.value]),
+                            stored=stored[i.value],
+                            used=used if used != stored[i.value] else None))
+  if remat and folded is None:
+    raise ValueError("plan_terms: a rematerialised solution needs the program's folded=")
+  return PlanTerms(
+      mesh_axes=dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes)),
+      device=problem.profile.name, inputs=tuple(inputs),
+      constraints=_constraints(problem, choice, fixed),
+      decisions=_decisions(problem, choice, reasons), class_axes=_class_axes(problem, choice),
+      remat=rematlib.policy_names(folded, remat) if remat else ())
+
+
+def _class_axes(problem: Problem, choice: Choice) -> tuple:
+  """One line per kind of split: copies of a layer differ only in their numbers."""
+  out, seen = [], set()
+  for c, axes in sorted(choice.items(), key=lambda kv: -problem.classes[kv[0]].size):
+    example = _generic(problem.classes[c].example)
+    if (example, axes) not in seen:
+      seen.add((example, axes))
+      out.append((example, problem.classes[c].size, axes))
+  return tuple(out)
+
+
+def _decisions(problem: Problem, choice: Choice, reasons: Mapping[int, Reason]
+               ) -> tuple[Decision, ...]:
+  """One `Decision` per kind of dimension with a choice (copies of a layer alike):
+  split ones first, then the batch, widest first."""
+  names = _class_names(problem)
+  rows, seen = [], set()
+  order = sorted((c for c, dom in enumerate(problem.domains) if len(dom) > 1),
+                 key=lambda c: (not choice.get(c), not problem.classes[c].batch,
+                                -problem.classes[c].size, c))
+  for c in order:
+    axes = tuple(choice.get(c, ()))
+    name = names.get(c) or _generic(problem.classes[c].example) or f"class {c}"
+    if (name, axes) in seen:
+      continue
+    seen.add((name, axes))
+    rows.append(Decision(name=name, size=problem.classes[c].size, axes=axes,
+                         why=_why(axes, reasons.get(c))))
+  return tuple(rows)
+
+
+def _class_names(problem: Problem) -> dict[int, str]:
+  """Names the program gives classes: logical axis names of parameter dims, "batch"."""
+  g, out = problem.graph, {}
+  for i in g.inputs:
+    for d, name in enumerate(i.logical_axes):
+      if name:
+        for c in {problem.vclass(i.value, d), problem.read_class(i.value, d)}:
+          out.setdefault(c, name)
+  for c in problem.classes:
+    if c.batch:
+      out.setdefault(c.index, "batch")
+  # Sequence parallelism: positions (a sequence, an image's pixels) held apart by the
+  # contractions with weights and the norms and residual adds between them.
+  for (v, side), dims in problem.reader_dims.items():
+    if side not in ("dot", "elem"):
+      continue
+    for d, c in enumerate(dims):
+      made = problem.value_class[(v, d)]
+      if c != made:
+        inside, outside = (c, made) if side == "dot" else (made, c)
+        out.setdefault(outside, "positions between contractions")
+        out.setdefault(inside, "positions in contractions")
+  return out
+
+
+def _why(axes: tuple[str, ...], reason: Reason | None) -> str:
+  """The best other choice, everything else kept, and what it would add."""
+  if reason is None:
+    return ""
+  other = f"over {'x'.join(reason.alternative)}" if reason.alternative else "unsplit"
+  if not math.isfinite(reason.delta_s):
+    return "any other axes clash with dims it meets (an op split twice on one axis)"
+  if reason.delta_s <= 0:
+    return f"tie with {other}"
+  return (f"{other}: {_duration(reason.delta_s)}/step, "
+          f"{reason.delta_comm_bytes / 2**20:+.2f} MiB")
+
+
+def _duration(seconds: float) -> str:
+  if abs(seconds) >= 1e-3:
+    return f"+{seconds * 1e3:.3f} ms"
+  return f"+{seconds * 1e6:.1f} µs"
+
+
+def _spec(classes: Sequence[int | None], choice: Choice) -> PartitionSpec:
+  """The PartitionSpec of a value whose dims are in these classes, as the cost tables
+  read it (an axis splits only the first dim that asks for it)."""
+  axes = [choice.get(c, ()) if c is not None else () for c in classes]
+  layout = costlib.Layout(mesh_dims(range(len(axes)), axes))
+  return PartitionSpec(*layout.to_partition_spec())
+
+
+def _generic(example: str) -> str:
+  """'params/Block_3/MLP/fc1/kernel[1]' -> 'params/Block_*/MLP/fc1/kernel[1]'."""
+  head, sep, dim = example.rpartition("[")
+  return re.sub(r"\d+", "*", head) + sep + dim if sep else re.sub(r"\d+", "*", example)
+
+
+def _constraints(problem: Problem, choice: Choice,
+                 fixed: Mapping[int, costlib.Layout]) -> tuple[Constraint, ...]:
+  """Where a cut value is read in another layout than it was made or stored in, the
+  reading equations of every copy get that layout pinned (see `Constraint`)."""
+  g, view = problem.graph, problem.view
+  specs: dict[tuple, PartitionSpec] = {}  # copies of a layer read alike: one spec each
+
+  def spec(classes):
+    key = tuple(classes)
+    if key not in specs:
+      specs[key] = _spec(key, choice)
+    return specs[key]
+
+  read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
+  top = g.region_ops(0)
+  out = []
+  # Contractions' results as planned, reduced where they are made: XLA propagates the
+  # rest from these, and otherwise picks layouts of its own between them. A reader
+  # through a cut gets the made layout first, then its own (below): XLA reduces the
+  # result where it is made and reshards it, as the cut is priced.
+  for op in top:
+    rep = view.op_canon.get(op.index, op.index)
+    rule = problem.rules.get(rep)
+    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
+    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+      continue
+    v = op.outputs[0]
+    made = spec([None if f is None else problem.vclass(v, d)
+                 for d, f in enumerate(rule.outputs[0])])
+    for r in g.consumers.get(v, ()):
+      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
+      if reader.region != 0:
+        continue
+      out += [Constraint(site=reader.site, slot=k, spec=made)
+              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
+              if x == v]
+  for op in top:
+    # Each copy reads as the op standing for it does: an interior copy reading the
+    # last layer's output reads it through the representative's cut.
+    rep = view.op_canon.get(op.index, op.index)
+    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
+      classes = read_dims(rep, y)
+      if classes is None or x in g.literals:
+        continue
+      want = spec(classes)
+      if x in fixed:
+        have = PartitionSpec(*fixed[x].to_partition_spec())
+      else:
+        have = spec([problem.value_class.get((problem.cv(x), d))
+                     for d in range(len(g.types[x].shape))])
+      if want == have:  # read as it is: nothing for XLA to be told
+        continue
+      if x not in fixed and not _from_partial_sums(problem, choice, x):
+        # Made whole from whole values, read split through a cut (a statistic into
+        # state stored apart): pinned as made first, so that XLA slices it here rather
+        # than carrying the split back into the compute that makes it. (Made from
+        # partial sums, a gradient, XLA may reduce-scatter straight into the read
+        # layout: pinning it whole first would force an all-reduce.)
+        out.append(Constraint(site=op.site, slot=k, spec=have))
+      out.append(Constraint(site=op.site, slot=k, spec=want))
+  return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]
+                          ) -> tuple[Constraint, ...]:
+  """A stacked parameter stored in another layout than the scan's body reads it in
+  (`Problem.scan_cuts`): every body equation reading the iteration's slice reads it
+  pinned in the body's layout, so XLA gathers one layer per iteration inside the loop
+  (as priced) rather than the whole stack before it."""
+  g, out = problem.graph, []
+  for _, outer, inner, read in problem.scan_cuts:
+    rank = len(g.types[inner].shape)
+    if not read or not rank:
+      continue
+    stored = (PartitionSpec(*costlib.Layout(fixed[outer].dims[1:]).to_partition_spec())
+              if outer in fixed else spec([problem.vclass(outer, d + 1) for d in range(rank)]))
+    want = spec([problem.value_class[(inner, d)] for d in range(rank)])
+    if want == stored:
+      continue
+    for c in g.consumers.get(inner, ()):
+      out += [Constraint(site=g.ops[c].site, slot=k, spec=want)
+              for k, x in enumerate(g.ops[c].inputs) if x == inner]
+  return tuple(out)
+
+
+def _from_partial_sums(problem: Problem, choice: Choice, v: int) -> bool:
+  """Whether v is an input, or made from partial sums under the choice: a reduction
+  with a split reduced dim, reached back through ops that reduce nothing."""
+  g, canon = problem.graph, problem.view.op_canon
+  todo, seen = [v], set()
+  while todo:
+    x = todo.pop()
+    made = g.producer.get(x)
+    if made is None:
+      if x == v:
+        return True  # an input: stored, not made
+      continue
+    if made in seen:
+      continue
+    seen.add(made)
+    rule, classes = problem.rules.get(canon.get(made, made)), problem.factor_class.get(
+        canon.get(made, made), ())
+    if rule is None:
+      return True  # not searched (in a loop body): leave it to XLA
+    if any(choice.get(classes[f]) for f in rule.reduce if f < len(classes)
+           and classes[f] >= 0):
+      return True
+    if not rule.reduce:
+      todo.extend(y for y in g.ops[made].inputs if y not in g.literals)
+  return False

@@ -94,10 +94,12 @@ def real(a, mesh):
         f"{a.layers} layers{' scanned' if a.scan else ''}, seq {a.seq}, batch "
         f"{a.per_device_batch * chips}, mesh {mesh} on {a.topology}, profile {a.device}")
   print("GiB per device. Predicted: state (inputs) + intermediates at the peak. Compiled: "
-        "arguments + temporaries + outputs - aliased.")
+        "arguments + temporaries + outputs - aliased; live peak: the compiler's "
+        "peak_memory_in_bytes.")
   print("| layers | layout | remat | pred state | pred interm. | **pred total** | args | "
-        "temp | out | alias | **compiled** | pred / comp | plan s | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "temp | out | alias | **compiled** | pred / comp | live peak | pred / live | plan s | "
+        "compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   tmesh = tpu_mesh(a.topology, mesh)
   for layout in a.layouts.split(","):
     t = time.perf_counter()
@@ -132,7 +134,9 @@ def real(a, mesh):
     comp = (got.argument_bytes, got.temp_bytes, got.output_bytes, got.alias_bytes, peak)
     print(f"| {a.layers} | {layout} | {remat} | " + " | ".join(f"{x / 2**30:.2f}" for x in pred)
           + " | " + " | ".join(f"{x / 2**30:.2f}" for x in comp)
-          + f" | {pred[2] / peak:.2f} | {plan_s:.1f} | {compile_s:.0f} |", flush=True)
+          + f" | {pred[2] / peak:.2f} | {got.live_peak_bytes / 2**30:.2f} | "
+          f"{pred[2] / got.live_peak_bytes if got.live_peak_bytes else float('nan'):.2f} | "
+          f"{plan_s:.1f} | {compile_s:.0f} |", flush=True)
   hbm = USABLE_HBM.get(tmesh.devices.flat[0].device_kind)
   if hbm:
     print(f"usable HBM per device (compiler): {hbm / 2**30:.2f} GiB")

@@ -232,6 +232,17 @@ def cost_flops(cost: Any) -> float:
   return float((cost or {}).get("flops", 0.0))
 
 
+def memory_peak(stats: Any) -> int:
+  """The compiler's own peak of live buffers per device (`memory_analysis()`'s
+  `peak_memory_in_bytes`: arguments and temporaries live together at the worst point
+  of its buffer assignment), 0 where the backend or jaxlib line gives none.
+
+  >>> memory_peak(None)
+  0
+  """
+  return int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+
+
 def current_mesh() -> Any:
   """The concrete mesh `jax.set_mesh` set, or None: `get_mesh` gives an empty mesh
   (or, on some lines, an abstract one without devices) where none is set."""

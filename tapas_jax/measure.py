@@ -340,6 +340,10 @@ class Compiled:
     comm_bytes: kind -> bytes sent per step (see `collective_bytes`), with "total".
     argument_bytes, output_bytes, alias_bytes, temp_bytes: from `memory_analysis()`.
     flops: from `cost_analysis()` (a loop body counts once).
+    live_peak_bytes: the compiler's own peak of live buffers (`memory_analysis()`'s
+      `peak_memory_in_bytes`; 0 where it gives none). On the TPU compiler it can be far
+      below `memory_bytes` for a loop nested in a scanned stack (BENCHMARKS.md, "What
+      memory_analysis counts").
   """
 
   comm_bytes: dict[str, float]
@@ -348,6 +352,7 @@ class Compiled:
   alias_bytes: int
   temp_bytes: int
   flops: float
+  live_peak_bytes: int = 0
 
   @property
   def memory_bytes(self) -> int:
@@ -372,4 +377,5 @@ def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes),
                   temp_bytes=int(mem.temp_size_in_bytes),
-                  flops=jx.cost_flops(compiled.cost_analysis()))
+                  flops=jx.cost_flops(compiled.cost_analysis()),
+                  live_peak_bytes=jx.memory_peak(mem))

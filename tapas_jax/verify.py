@@ -94,6 +94,11 @@ class Verified:
     predicted_memory_bytes, predicted_comm_bytes: the plan's `PlanStats`.
     compile_s: seconds lowering and compiling.
     error: the compiler's message when it rejected the program, else "".
+    live_peak_bytes: the compiler's own peak of live buffers (`measure.Compiled`); 0
+      where it gives none or the compile failed. The memory model predicts this figure.
+      With a loop nested in a scanned stack the TPU compiler's `temp_bytes` holds more
+      than any buffer it assigns (its heap included), so `peak_bytes` can be 1.3x the
+      live peak at scale (BENCHMARKS.md, "What memory_analysis counts").
   """
 
   plan_name: str
@@ -112,6 +117,7 @@ class Verified:
   predicted_comm_bytes: float
   compile_s: float
   error: str = ""
+  live_peak_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
@@ -137,6 +143,11 @@ class Verified:
   def memory_ratio(self) -> float:
     """Predicted / compiled peak memory (nan when nothing compiled)."""
     return _ratio(self.predicted_memory_bytes, self.peak_bytes)
+
+  @property
+  def live_ratio(self) -> float:
+    """Predicted / the compiler's live peak (nan where it gives none)."""
+    return _ratio(self.predicted_memory_bytes, self.live_peak_bytes)
 
   @property
   def comm_ratio(self) -> float:
@@ -174,8 +185,11 @@ class Verified:
               f"  {'temporaries':<22} {gib(self.temp_bytes):>12}",
               f"  {'outputs - aliased':<22} {gib(self.output_bytes - self.alias_bytes):>12}",
               f"  {'peak memory':<22} {gib(self.peak_bytes):>12} "
-              f"{gib(self.predicted_memory_bytes):>12} {self.memory_ratio:>10.2f}",
-              f"  {'bytes sent':<22} {gib(self.comm_bytes.get('total', 0.0)):>12} "
+              f"{gib(self.predicted_memory_bytes):>12} {self.memory_ratio:>10.2f}"]
+    if self.live_peak_bytes:
+      lines.append(f"  {'live peak (compiler)':<22} {gib(self.live_peak_bytes):>12} "
+                   f"{gib(self.predicted_memory_bytes):>12} {self.live_ratio:>10.2f}")
+    lines += [f"  {'bytes sent':<22} {gib(self.comm_bytes.get('total', 0.0)):>12} "
               f"{gib(self.predicted_comm_bytes):>12} {self.comm_ratio:>10.2f}"]
     for kind, sent in self.comm_bytes.items():
       if kind != "total" and sent:
@@ -378,4 +392,5 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
   return Verified(argument_bytes=got.argument_bytes, output_bytes=got.output_bytes,
                   alias_bytes=got.alias_bytes, temp_bytes=got.temp_bytes, hbm_bytes=hbm,
                   hbm_source=source, comm_bytes=dict(got.comm_bytes), flops=got.flops,
-                  compile_s=time.perf_counter() - start, **base)
+                  compile_s=time.perf_counter() - start, live_peak_bytes=got.live_peak_bytes,
+                  **base)

@@ -44,6 +44,9 @@ def _pinned(record, compiled, num_devices, as_compiled=False):
                                   mem.output_size_in_bytes, mem.alias_size_in_bytes)
   assert record.peak_bytes == (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                                + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+  assert record.live_peak_bytes == mem.peak_memory_in_bytes > 0
+  assert record.live_ratio == pytest.approx(record.predicted_memory_bytes
+                                            / mem.peak_memory_in_bytes)
   assert record.comm_bytes == measure.collective_bytes(
       compiled.as_text(), num_devices, reduce_scatter_creator=not as_compiled)
   assert record.flops == compiled.cost_analysis()["flops"] > 0

@@ -301,6 +301,43 @@ def tensor_bytes(shape: Sequence[int], itemsize: int, layout: Layout, mesh: Mesh
   return math.prod(local_shape(shape, layout, mesh)) * itemsize
 
 
+
+def stored_bytes(shape: Sequence[int], itemsize: int, profile: str | DeviceProfile) -> int:
+  """Bytes a device's compiler allocates for an array of this (per-device) shape.
+
+  Where the profile has a `memory_tile` (the TPU compiler's), the array is stored in
+  tiles: its minor dim rounded up to the tile's lanes, its second-minor dim to the
+  tile's rows (a power of two below them: 1, 2, 4), in the dim order that pads least
+  (the compiler picks each array's layout), and the whole rounded up to
+  `buffer_granule_bytes`. Elsewhere the plain bytes.
+
+  Example:
+    >>> stored_bytes((64, 64), 4, "tpu-v5p"), stored_bytes((64, 64), 4, "h100")
+    (32768, 16384)
+  """
+  profile = get_profile(profile)
+  nbytes = math.prod(shape) * itemsize
+  if not profile.memory_tile or not nbytes:
+    return nbytes
+  rows, lanes = profile.memory_tile
+  shape = tuple(shape) or (1,)
+  if len(shape) == 1:
+    padded = -(-shape[0] // lanes) * lanes * itemsize
+  else:
+    padded = min(math.prod(shape) // (shape[i] * shape[j]) * _tile_rows(shape[i], rows)
+                 * (-(-shape[j] // lanes) * lanes) * itemsize
+                 for i in range(len(shape)) for j in range(len(shape)) if i != j)
+  granule = profile.buffer_granule_bytes
+  return -(-padded // granule) * granule
+
+
+def _tile_rows(n: int, rows: int) -> int:
+  """A second-minor dim of n rounded up to the tile (a power of two for short dims)."""
+  if n >= rows:
+    return -(-n // rows) * rows
+  return 1 << (n - 1).bit_length()
+
+
 # ---------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------

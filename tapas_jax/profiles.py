@@ -107,6 +107,14 @@ class DeviceProfile:
       all-reduce reassociation). The TPU compiler does (the same libtpu versions:
       Megatron's backward sums the partial input gradients of q, k and v, of gate and
       up, and a tied embedding's two gradients, then reduces once); XLA:CPU does not.
+    memory_tile: (rows, lanes) of the tiles the compiler stores arrays in, () for none
+      (`cost.stored_bytes`). The TPU compiler's are (8, 128) for every dtype, short
+      second-minor dims taking 1, 2 or 4 rows, and it lays each array out in the dim
+      order that pads least (libtpu 0.0.42.1, `memory_analysis()` of arrays from f32[1,1]
+      to f32[2,100,3], bf16 and int8 alike: f32[64,64] takes 32 KiB, f32[3,5] 2 KiB,
+      f32[9,5] 4 KiB; BENCHMARKS.md "The TPU compiler's tiles").
+    buffer_granule_bytes: the size every buffer is rounded up to (TPU: 512 bytes, the
+      smallest array it allocates, f32[1] or int8[2,3,5] alike).
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -133,6 +141,8 @@ class DeviceProfile:
   reduce_scatter_as_all_reduce: bool = False
   gathers_dot_operands_in_bf16: bool = False
   reassociates_all_reduces: bool = False
+  memory_tile: tuple[int, int] = ()
+  buffer_granule_bytes: int = 1
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -146,6 +156,8 @@ class DeviceProfile:
 # How the TPU compiler lowers collectives (the fields' doc): one compiler, every generation.
 _TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all_reduce=True,
                         gathers_dot_operands_in_bf16=True, reassociates_all_reduces=True)
+# How the TPU compiler stores arrays (the fields' doc): the same on every generation.
+_TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -177,6 +189,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=4096,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_STORAGE,
     ),
     "tpu-v5e": DeviceProfile(
         name="tpu-v5e",
@@ -199,6 +212,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_STORAGE,
     ),
     "tpu-v5p": DeviceProfile(
         name="tpu-v5p",
@@ -221,6 +235,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=6144,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_STORAGE,
     ),
     "tpu-v6e": DeviceProfile(
         name="tpu-v6e",
@@ -245,6 +260,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_STORAGE,
     ),
     "a100": DeviceProfile(
         name="a100",
@@ -330,7 +346,8 @@ PROFILES: dict[str, DeviceProfile] = {
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
                     "combine_threshold_bytes", "dot_operand_fusion",
                     "all_gather_as_all_reduce_above", "reduce_scatter_as_all_reduce",
-                    "gathers_dot_operands_in_bf16", "reassociates_all_reduces")
+                    "gathers_dot_operands_in_bf16", "reassociates_all_reduces",
+                    "memory_tile", "buffer_granule_bytes")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

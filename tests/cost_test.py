@@ -5,15 +5,20 @@ device's buffer is F divided by the sizes of the axes splitting it.
 """
 
 import dataclasses
+import importlib
 import itertools
 import math
 import random
 
+import jax
+import jax.numpy as jnp
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import cost
 from tapas_jax.cost import Layout
+
+verifylib = importlib.import_module("tapas_jax.verify")  # tapas.verify is the function
 
 # Zero α: time is then proportional to bytes on a single link kind, so the
 # reshard search minimises bytes and the hand-computed counts are the optimum.
@@ -45,8 +50,11 @@ def test_profile_numbers_are_positive_and_sane(name):
   p = cost.get_profile(name)
   assert p.name == name
   for field in dataclasses.fields(p):
-    if field.name != "name" and not isinstance(getattr(p, field.name), bool):
-      assert getattr(p, field.name) > 0, field.name
+    value = getattr(p, field.name)
+    if isinstance(value, tuple):  # a tile: () for none
+      assert all(x > 0 for x in value), field.name
+    elif field.name != "name" and not isinstance(value, bool):
+      assert value > 0, field.name
   assert p.peak_flops_f32 <= p.peak_flops
   assert p.inter_bandwidth < p.intra_bandwidth
   assert p.intra_latency_s <= p.inter_latency_s
@@ -61,17 +69,19 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                        p.reductions_duplicate, p.combine_threshold_bytes,
                        p.dot_operand_fusion, p.all_gather_as_all_reduce_above,
                        p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16,
-                       p.reassociates_all_reduces)
+                       p.reassociates_all_reduces, p.memory_tile, p.buffer_granule_bytes)
   assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
-                                           False, False, False)
-  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True, True)
+                                           False, False, False, (), 1)
+  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True, True,
+                          (8, 128), 512)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
                              dot_operand_fusion=True, all_gather_as_all_reduce_above=32,
                              reduce_scatter_as_all_reduce=True,
                              gathers_dot_operands_in_bf16=True,
-                             reassociates_all_reduces=True) == base
+                             reassociates_all_reduces=True, memory_tile=(8, 128),
+                             buffer_granule_bytes=512) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 
@@ -179,6 +189,49 @@ def test_layout_normalises_entries_like_a_partition_spec():
 def test_partition_spec_form_builds_a_jax_partition_spec():
   spec = PartitionSpec(*Layout(("data", None, ("a", "b"))).to_partition_spec())
   assert spec == PartitionSpec("data", None, ("a", "b"))
+
+
+# The TPU compiler's `memory_analysis()` argument bytes of one array of each shape
+# (libtpu 0.0.42.1, v5p:2x2x1, replicated): tests/memory_test.py compiles them again.
+TPU_STORED = [
+    ((64, 64), 4, 32768), ((64, 128), 4, 32768), ((8, 128), 4, 4096), ((1, 128), 4, 512),
+    ((), 4, 512), ((129,), 4, 1024), ((1000,), 4, 4096), ((3, 5), 4, 2048),
+    ((9, 5), 4, 4096), ((7, 130), 4, 8192), ((2, 3, 5), 4, 3072), ((2, 100, 3), 4, 3072),
+    ((4, 8, 16), 4, 16384), ((64, 64), 2, 16384), ((8, 128), 2, 2048), ((2, 5), 2, 512),
+    ((16, 16), 2, 4096), ((7, 130), 2, 4096), ((64, 64), 1, 8192), ((2, 3, 5), 1, 1024),
+]
+
+
+@pytest.mark.parametrize("shape,itemsize,stored", TPU_STORED)
+def test_tpu_profiles_store_arrays_in_the_compiler_s_tiles(shape, itemsize, stored):
+  assert cost.stored_bytes(shape, itemsize, "tpu-v5p") == stored
+  assert cost.stored_bytes(shape, itemsize, "tpu-v6e") == stored
+
+
+@pytest.mark.parametrize("name", ["cpu", "h100", "a100", "h200"])
+def test_other_profiles_store_arrays_as_their_bytes(name):
+  for shape, itemsize, _ in TPU_STORED:
+    assert cost.stored_bytes(shape, itemsize, name) == math.prod(shape) * itemsize
+  assert cost.stored_bytes((64, 64), 4, cost.compiled_by_xla_cpu("tpu-v5p")) == 64 * 64 * 4
+
+
+@pytest.fixture
+def libtpu():
+  return pytest.importorskip(
+      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
+      "compiler tests are skipped")
+
+
+def test_the_tpu_tiles_are_the_compiler_s(libtpu):
+  # The table above compiled again: each array alone, replicated over v5p:2x2x1.
+  del libtpu
+  mesh = verifylib.tpu_mesh("v5p:2x2x1", {"data": 4})
+  dtypes = {4: jnp.float32, 2: jnp.bfloat16, 1: jnp.int8}
+  for shape, itemsize, stored in TPU_STORED:
+    x = jax.ShapeDtypeStruct(shape, dtypes[itemsize],
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+    got = jax.jit(lambda a: a + 1).lower(x).compile().memory_analysis()
+    assert got.argument_size_in_bytes == stored, (shape, itemsize)
 
 
 def test_local_shape_uses_ceil_division():

@@ -602,3 +602,38 @@ def test_a_scanned_llama_under_full_remat_against_the_tpu_compiler(libtpu):
   ratio = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1",
                        donate_argnums=0).memory_ratio
   assert 1.0 <= ratio <= 1.4, ratio
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "vit"])
+def test_the_zoo_s_state_is_what_the_tpu_compiler_allocates(libtpu, family):
+  # The zoo at tiny size (batch 8) over v5p:2x2x1, data 2 x model 2: the predicted state
+  # (the step's inputs, each shard in the compiler's tiles) against the compiler's
+  # argument bytes, per layout (libtpu 0.0.42.1: equal to the byte on every row; before
+  # the tiles 0.26 to 0.35 of them). The whole peak is not yet within 10%: the
+  # temporaries of these small programs are mostly the compiler's own (BENCHMARKS.md
+  # "The TPU compiler's tiles"), so only the state is pinned here.
+  del libtpu
+  m = models.get_model(family, "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  mesh = {"data": 2, "model": 2}
+  for layout in ("tapas", "data_parallel", "fsdp", "megatron"):
+    plan = (tapas.search(*args, mesh=mesh, device="tpu-v5p") if layout == "tapas" else
+            baselines.baseline(layout, *args, mesh=mesh, family=family, device="tpu-v5p"))
+    record = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1", donate_argnums=0)
+    ratio = plan.stats.predicted_state_bytes / record.argument_bytes
+    assert 0.99 <= ratio <= 1.01, (layout, ratio)
+
+
+def test_the_zoo_s_llama_plan_agrees_with_the_tpu_compiler(libtpu):
+  # The one zoo row whose whole peak is within 10% (BENCHMARKS.md "The TPU compiler's
+  # tiles"): LLaMA tiny, batch 64, the searched plan over v5p:2x2x1. libtpu 0.0.42.1:
+  # 25.82 MiB compiled, predicted 26.38 (1.02); 17.78 (0.69) without the tiles. The
+  # expert layouts of the same table are not (0.57 to 0.68): the compiler's own
+  # temporaries of a small program.
+  del libtpu
+  m = models.get_model("llama", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(64))
+  plan = tapas.search(*args, mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  ratio = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1",
+                       donate_argnums=0).memory_ratio
+  assert 0.9 <= ratio <= 1.1, ratio

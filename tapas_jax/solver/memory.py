@@ -37,17 +37,40 @@ def memory_tables(problem: Problem,
   """
   fixed = fixed or {}
   total: dict[tuple[int, ...], float] = {}
+  tiled: dict[tuple[int, ...], np.ndarray] = {}
   fixed_bytes = 0.0
   for i in problem.graph.inputs:
     t = problem.graph.types[i.value]
     if i.value in fixed:
-      fixed_bytes += t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh)
+      fixed_bytes += (costlib.stored_bytes(costlib.local_shape(t.shape, fixed[i.value],
+                                                               problem.mesh),
+                                           t.itemsize, problem.profile)
+                      if problem.profile.memory_tile
+                      else t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh))
       continue
     dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
     key = _scope(problem, dims)
+    if problem.profile.memory_tile:  # each shard's tiles: per input, per choice
+      table = _stored_table(problem, t, dims, key)
+      tiled[key] = tiled[key] + table if key in tiled else table
+      continue
     total[key] = total.get(key, 0.0) + t.nbytes
   out = [Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
+  out += [Table(key, table, np.zeros_like(table)) for key, table in tiled.items()]
   return out + _bytes_tables(problem, total)
+
+
+def _stored_table(problem: Problem, t, dims, scope) -> np.ndarray:
+  """An input's per-device bytes as the compiler stores its shard (`cost.stored_bytes`),
+  for every choice of its scope's domains."""
+  domains = tuple(problem.domains[c] for c in scope)
+  table = np.empty(tuple(len(d) for d in domains), float)
+  for idx in itertools.product(*(range(len(d)) for d in domains)):
+    axes = _axes(dims, {c: domains[k][j] for k, (c, j) in enumerate(zip(scope, idx))})
+    shape = [-(-n // math.prod(problem.mesh.size(a) for a in d))
+             for n, d in zip(t.shape, axes)]
+    table[idx] = costlib.stored_bytes(shape, t.itemsize, problem.profile)
+  return table
 
 
 def _scope(problem: Problem, dims: Iterable[int | None]) -> tuple[int, ...]:
@@ -376,9 +399,21 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
     dims.append(tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))))
     stored.append(None)
     unless.append(tuple(c.index for c in problem.classes if c.batch))
-  return Activations(np.array(start, int), np.array(stop, int), np.array(nbytes, float),
-                      tuple(dims), len(top), tuple(values), tuple(stored), tuple(unless),
-                      tuple(only))
+  return Activations(np.array(start, int), np.array(stop, int),
+                     _as_stored(problem, nbytes, values), tuple(dims), len(top),
+                     tuple(values), tuple(stored), tuple(unless), tuple(only))
+
+
+def _as_stored(problem: Problem, nbytes, values) -> np.ndarray:
+  """Each entry's bytes padded as the compiler stores the whole value (`cost.stored_bytes`;
+  the padding of the unsplit value stands for its shards')."""
+  nbytes = np.array(nbytes, float)
+  if not problem.profile.memory_tile:
+    return nbytes
+  types = problem.graph.types
+  return np.array([b * costlib.stored_bytes(types[v].shape, types[v].itemsize, problem.profile)
+                   / types[v].nbytes if types[v].nbytes else b
+                   for b, v in zip(nbytes, values)], float)
 
 
 def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:

@@ -278,11 +278,11 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, config: options.Searc
     limit = min(record.hbm_bytes, memory_budget or math.inf)
     predicted = plan.stats.predicted_memory_bytes
     rounds.append((math.inf if budget is None else budget, predicted,
-                   float(record.peak_bytes)))
+                   float(record.fit_bytes)))
     notes.append(f"round {k + 1}: budget {fmt(budget) if budget else 'unlimited'}, "
-                 f"predicted {fmt(predicted)}, compiled {fmt(record.peak_bytes)}"
+                 f"predicted {fmt(predicted)}, compiled {fmt(record.fit_bytes)}"
                  + ("" if record.compiled else " (the compiler refused it)"))
-    missing = record.peak_bytes - limit
+    missing = record.fit_bytes - limit
     if not record.compiled and missing <= 0:
       # Refused, with no sizes in the message: a quarter less, for want of a figure.
       missing = predicted / 4

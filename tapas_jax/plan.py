@@ -183,7 +183,8 @@ class Plan:
       return []
     size = format_bytes
     verdict = "fits" if c.fits else "DOES NOT FIT"
-    lines = ["", f"  compiled for {c.target}: {verdict}, peak {size(c.peak_bytes)} of "
+    live = f" (live {size(c.live_peak_bytes)}, judged)" if c.live_peak_bytes else ""
+    lines = ["", f"  compiled for {c.target}: {verdict}, peak {size(c.peak_bytes)}{live} of "
              f"{size(c.hbm_bytes)} (predicted {size(self.stats.predicted_memory_bytes)}), "
              f"sends {size(dict(c.comm_bytes).get('total', 0.0))}"]
     if len(c.rounds) > 1:

@@ -556,7 +556,9 @@ def _compiled(r: _Reader, value: Any) -> records.CompiledFigures:
       hbm_bytes=float(r.number(field("hbm_bytes"), "compiled.hbm_bytes")),
       fits=r.of(field("fits"), bool, "compiled.fits", "true or false"),
       flops=float(r.number(field("flops"), "compiled.flops")), comm_bytes=comm,
-      rounds=tuple(rounds), error=r.string(field("error"), "compiled.error"))
+      rounds=tuple(rounds), error=r.string(field("error"), "compiled.error"),
+      # Files written before the compiler's live peak was read have none.
+      live_peak_bytes=r.integer(c.get("live_peak_bytes", 0), "compiled.live_peak_bytes"))
 
 
 def _open_at_end(text: str) -> bool:

@@ -117,6 +117,8 @@ class CompiledFigures:
     rounds: (memory budget searched under, predicted bytes, compiled peak bytes) of each
       search `search(..., verify=...)` made; the last is this plan's.
     error: the first line of the compiler's message when it rejected the program.
+    live_peak_bytes: the TPU compiler's own peak of live buffers, the figure `fits`
+      judged there (`Verified.fit_bytes`); 0 elsewhere, where `peak_bytes` is judged.
   """
 
   target: str
@@ -130,8 +132,14 @@ class CompiledFigures:
   comm_bytes: tuple[tuple[str, float], ...] = ()
   rounds: tuple[tuple[float, float, float], ...] = ()
   error: str = ""
+  live_peak_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
     """Arguments + temporaries + outputs - aliased outputs."""
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+  @property
+  def fit_bytes(self) -> int:
+    """The figure `fits` judged: the TPU compiler's live peak, else `peak_bytes`."""
+    return self.live_peak_bytes or self.peak_bytes

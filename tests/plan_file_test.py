@@ -3,6 +3,7 @@ like the searched one, bad files and mismatched programs or meshes say what diff
 
 import dataclasses
 import functools
+import copy
 import json
 import os
 
@@ -231,6 +232,19 @@ def test_the_compilers_figures_round_trip(tmp_path):
   assert "compiled for v5p:2x2x1: fits, peak 5.00 KiB of 20.00 MiB" in plan.summary()
   assert "search 2 under 6.68 MiB" in plan.summary()
   assert "compiled" not in plan_file.to_json(small_plan())  # older readers: no new field
+
+
+def test_the_tpu_compilers_live_peak_round_trips_and_older_files_read(tmp_path):
+  plan = _compiled_plan()
+  live = dataclasses.replace(plan, compiled=dataclasses.replace(plan.compiled,
+                                                                live_peak_bytes=3000))
+  live.save(tmp_path / "live.json")
+  assert tapas.Plan.load(tmp_path / "live.json").compiled.fit_bytes == 3000
+  assert "peak 5.00 KiB (live 2.93 KiB, judged)" in live.summary()
+  data = copy.deepcopy(plan_file.to_json(plan))
+  del data["compiled"]["live_peak_bytes"]  # written before the field
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert tapas.Plan.load(tmp_path / "old.json").compiled == plan.compiled
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -132,6 +132,29 @@ def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):
   assert record.argument_bytes == 0 and record.flops == 0 and record.comm_bytes == {}
 
 
+def _record(device_kind, *, temp, live, hbm=100):
+  return verifylib.Verified(
+      plan_name="p", target="t", device_kind=device_kind, num_devices=1, argument_bytes=10,
+      output_bytes=0, alias_bytes=0, temp_bytes=temp, hbm_bytes=hbm, hbm_source="given",
+      comm_bytes={}, flops=0.0, predicted_memory_bytes=90.0, predicted_comm_bytes=0.0,
+      compile_s=0.0, live_peak_bytes=live)
+
+
+def test_a_tpu_program_is_judged_by_the_compilers_live_peak():
+  # memory_analysis's temp can hold more than any buffer the TPU compiler assigns (a loop
+  # in a scanned stack): a TPU record fits by the live peak, a CPU one by the sum.
+  tpu, cpu = _record("TPU v5", temp=130, live=95), _record("cpu", temp=130, live=95)
+  assert tpu.peak_bytes == cpu.peak_bytes == 140
+  assert tpu.fit_bytes == 95 and tpu.fits and tpu.missing_bytes == 0
+  assert cpu.fit_bytes == 140 and not cpu.fits and cpu.missing_bytes == 40
+  assert "fits: live peak" in tpu.summary()
+  over = _record("TPU v5", temp=130, live=120)
+  assert not over.fits and over.missing_bytes == 20
+  assert _record("TPU v5", temp=80, live=0).fit_bytes == 90  # no live peak: the sum
+  assert tpu.figures().fit_bytes == 95 and cpu.figures().fit_bytes == 140
+  assert cpu.figures().live_peak_bytes == 0
+
+
 def test_a_topology_of_another_size_is_refused(libtpu):
   plan = tapas.search(_loss, *ARGS, mesh={"data": 8}, device="cpu")
   with pytest.raises(ValueError, match=r"mesh \{'data': 8\} has 8 devices, topology "
@@ -139,51 +162,31 @@ def test_a_topology_of_another_size_is_refused(libtpu):
     tapas.verify(plan, _loss, *ARGS, topology="v5e:2x2")
 
 
-def _leanest_compiled(args, mesh, topology):
-  """What the TPU compiler makes of the leanest plan the model knows."""
-  with pytest.raises(tapas.InfeasibleBudgetError) as e:
-    tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=1)
-  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p",
-                      memory_budget=e.value.leanest_bytes * (1 + 1e-9))
-  return tapas.verify(plan, *args, topology=topology,
-                      donate_argnums=0).peak_bytes
-
-
-def test_search_verify_searches_again_until_the_compiler_accepts(libtpu, tmp_path):
-  # At tiny widths the TPU compiler pads small dims to its (8, 128) tiles: a plan
-  # predicted under 20 MiB compiles to 32-35 MiB (libtpu 0.0.42 / 0.0.50), the leanest
-  # one to 15-21 MiB. The budget sits above the leanest's compiled figure, so the
-  # compiler refuses the first plan and accepts a later one, on every jax line.
+def test_search_verify_returns_a_plan_the_compiler_fits_in_the_budget(libtpu, tmp_path):
+  # With the TPU compiler's tiles in the model and its live peak as the judge, the tiny
+  # zoo's plans are predicted at or over what the compiler holds, so the first plan
+  # compiles within the budget here; searching again on a refusal is pinned with a
+  # stand-in compiler below (the loop's own tests).
   m = models.get_model("gpt", "tiny")
   mesh = {"data": 2, "model": 2}
   args = (m.train_step(), m.abstract_state(), m.batch_spec(64))
-  budget = max(20 * 2**20, _leanest_compiled(args, mesh, "v5p:2x2x1") + 2 * 2**20)
+  free = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
+  budget = free.stats.predicted_memory_bytes / 2
   plan = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=budget,
                       verify="v5p:2x2x1")
   rounds = plan.compiled.rounds
-  assert len(rounds) >= 2
-  first_budget, first_predicted, first_compiled = rounds[0]
-  assert first_budget == budget and first_predicted <= first_budget < first_compiled
-  assert rounds[-1][2] <= budget and rounds[-1][0] < first_budget
-  assert plan.compiled.fits and plan.compiled.peak_bytes == rounds[-1][2]
+  assert rounds[0][0] == budget and rounds[-1][2] <= budget
+  assert plan.compiled.fits and plan.compiled.fit_bytes == rounds[-1][2]
+  assert plan.compiled.live_peak_bytes == rounds[-1][2]  # judged by the live peak
   assert plan.compiled.hbm_bytes == budget  # judged against the budget, not the chip
-  assert plan.stats.predicted_memory_bytes == rounds[-1][1]
+  assert plan.stats.predicted_memory_bytes == rounds[-1][1] <= budget
+  direct = tapas.verify(plan, *args, topology="v5p:2x2x1", donate_argnums=0)
+  assert direct.live_peak_bytes == plan.compiled.live_peak_bytes
+  assert direct.live_peak_bytes < direct.peak_bytes  # memory_analysis's sum holds more
   path = tmp_path / "plan.json"
   plan.save(path)
   assert tapas.Plan.load(path).compiled == plan.compiled
   assert "compiled for v5p:2x2x1: fits" in plan.summary()
-
-
-def test_search_verify_says_by_how_much_the_leanest_failed(libtpu):
-  m = models.get_model("gpt", "tiny")
-  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
-  with pytest.raises(tapas.InfeasibleBudgetError,
-                     match=r"no plan compiled within 4.00 MiB per device \(memory_budget\); "
-                     r"the leanest needs [\d.]+ MiB, [\d.]+ MiB too much. round 1") as e:
-    tapas.search(*args, mesh={"data": 2, "model": 2}, device="tpu-v5p",
-                 memory_budget="4MiB", verify="v5p:2x2x1")
-  assert e.value.budget_bytes == 4 * 2**20 and e.value.leanest_bytes > 4 * 2**20
-  assert math.isfinite(e.value.leanest_bytes)
 
 
 def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: float = math.inf):

@@ -102,7 +102,7 @@ def with_scan_bodies(graph: Graph, view: View) -> View:
     if region is None:
       continue
     loops.add(i)
-    body = [op.index for op in graph.ops if op.region == region.index]
+    body = [op.index for op in graph.region_ops(region.index)]
     ops += body
     pending += body
     for b in body:

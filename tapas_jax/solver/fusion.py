@@ -38,7 +38,7 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
   needed = set(graph.outputs if outputs is None else outputs)
   live = set()
   for op in reversed(top):
-    if not op.outputs or any(v in needed for v in op.outputs):
+    if not op.outputs or not needed.isdisjoint(op.outputs):
       live.add(op.index)
       needed.update(op.inputs)
   return live

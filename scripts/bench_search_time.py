@@ -22,6 +22,12 @@ shared). `--style` times a `tests/styles.py` train step instead of a zoo model.
   python scripts/bench_search_time.py --depths=12,48,96 --model=gpt --config=tiny \
       --mesh=data=2,model=4 --batch=8 --repeat=2           # GPT width 64
   python scripts/bench_search_time.py --depths=4,12,48 --style=linen_remat --repeat=2
+
+With --vs-jaxpr=N, the call at N layers end to end against a bare `jax.make_jaxpr` of
+the same step on the same abstract inputs (issue 19 item 6: within 1.25x), each in a
+fresh process, the fastest of `--repeat`:
+
+  python scripts/bench_search_time.py --vs-jaxpr=32 --batch-axes=data --repeat=2
 """
 
 import argparse
@@ -56,13 +62,22 @@ def main():
                       help="--depths: 'cpu' times every stage in this process's CPU "
                       "seconds (`time.process_time`), steadier than wall time on a loaded "
                       "machine")
+  parser.add_argument("--batch-axes", default="",
+                      help="comma-separated mesh axes the batch may take (default: any)")
+  parser.add_argument("--vs-jaxpr", type=int, default=0,
+                      help="layers: time the call end to end against a bare make_jaxpr")
   parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
+  parser.add_argument("--bare", type=int, default=0, help=argparse.SUPPRESS)
   flags = parser.parse_args()
   if flags.clock == "cpu":
     # The stages read `time.perf_counter` when they run: read CPU seconds instead.
     time.perf_counter = time.process_time
   if flags.one:
     return _one(flags)
+  if flags.bare:
+    return _bare(flags)
+  if flags.vs_jaxpr:
+    return _vs_jaxpr(flags)
   if flags.depths:
     return _depths(flags)
   m = models.get_model(flags.model, flags.config)
@@ -76,7 +91,8 @@ def main():
     budget = float(flags.budget)
   start = time.perf_counter()
   try:
-    plan = tapas.search(*args, mesh=mesh, device=flags.device, memory_budget=budget)
+    plan = tapas.search(*args, mesh=mesh, device=flags.device, memory_budget=budget,
+                        batch_axes=_batch_axes(flags))
     s = plan.stats
     outcome = (f"{s.predicted_step_s * 1e3:.4g} ms/step, "
                f"{s.predicted_memory_bytes / 2**30:.4g} GiB/device, remat {plan.remat or '-'}; "
@@ -90,19 +106,59 @@ def main():
 _STAGES = ("trace_s", "fold_s", "search_s", "plan_s", "report_s")
 
 
-def _one(flags) -> None:
-  """One search at depth `flags.one`, its stages and wall time as a JSON line."""
-  mesh = {k: int(v) for k, v in (item.split("=") for item in flags.mesh.split(","))}
+def _batch_axes(flags):
+  return tuple(flags.batch_axes.split(",")) if flags.batch_axes else None
+
+
+def _step(flags, layers: int) -> tuple:
+  """(step, *abstract args) at `layers` layers: a zoo model or a `tests/styles.py` one."""
   if flags.style:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import styles  # noqa: PLC0415 - a test helper, on the path only here
-    p = styles.STYLES[flags.style](flags.one)
-    args = (p.step, p.state, p.batch)
-  else:
-    m = models.get_model(flags.model, flags.config, num_layers=flags.one)
-    args = (m.train_step(), m.abstract_state(), m.batch_spec(flags.batch))
+    p = styles.STYLES[flags.style](layers)
+    return p.step, p.state, p.batch
+  m = models.get_model(flags.model, flags.config, num_layers=layers)
+  return m.train_step(), m.abstract_state(), m.batch_spec(flags.batch)
+
+
+def _bare(flags) -> None:
+  """A bare `jax.make_jaxpr` of the step at depth `flags.bare`, its seconds as JSON."""
+  import jax  # noqa: PLC0415 - only this mode traces by itself
+
+  step, *args = _step(flags, flags.bare)
   start = time.perf_counter()
-  plan = tapas.search(*args, mesh=mesh, device=flags.device)
+  jax.make_jaxpr(step)(*args)
+  print(json.dumps(dict(jaxpr_s=time.perf_counter() - start)))
+
+
+def _vs_jaxpr(flags) -> None:
+  """The call end to end over a bare make_jaxpr of its step, each in fresh processes."""
+  common = [f"--model={flags.model}", f"--config={flags.config}", f"--mesh={flags.mesh}",
+            f"--device={flags.device}", f"--batch={flags.batch}", f"--style={flags.style}",
+            f"--clock={flags.clock}", f"--batch-axes={flags.batch_axes}"]
+  bare, calls = [], []
+  for _ in range(flags.repeat):
+    for mode, out in ((f"--bare={flags.vs_jaxpr}", bare), (f"--one={flags.vs_jaxpr}", calls)):
+      res = subprocess.run([sys.executable, __file__, mode, *common], check=True,
+                           capture_output=True, text=True).stdout
+      out.append(json.loads(res.strip().splitlines()[-1]))
+  b = min(r["jaxpr_s"] for r in bare)
+  c = min(calls, key=lambda r: r["wall_s"])
+  what = f"style {flags.style}" if flags.style else f"{flags.model} {flags.config}"
+  print(f"{what}, {flags.vs_jaxpr} layers, batch {flags.batch}, mesh {flags.mesh}, "
+        f"{flags.device}, batch_axes {_batch_axes(flags)}; fastest of {flags.repeat}, "
+        f"{flags.clock} seconds")
+  print(f"bare make_jaxpr {b:.2f} s; tapas.search {c['wall_s']:.2f} s end to end (trace "
+        f"{c['trace_s']:.2f}, fold {c['fold_s']:.2f}, search {c['search_s']:.2f}, plan "
+        f"{c['plan_s']:.2f}, report {c['report_s']:.2f}); ratio {c['wall_s'] / b:.2f}x")
+
+
+def _one(flags) -> None:
+  """One search at depth `flags.one`, its stages and wall time as a JSON line."""
+  mesh = {k: int(v) for k, v in (item.split("=") for item in flags.mesh.split(","))}
+  args = _step(flags, flags.one)
+  start = time.perf_counter()
+  plan = tapas.search(*args, mesh=mesh, device=flags.device, batch_axes=_batch_axes(flags))
   wall = time.perf_counter() - start
   # A commit before plan_s / report_s counts them in none (its "other" column).
   row = {k: getattr(plan.stats, k, 0.0) for k in _STAGES}

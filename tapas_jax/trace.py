@@ -211,9 +211,17 @@ class Graph:
         out.append((k, j))
     return tuple(out)
 
+  @functools.cached_property
+  def _ops_by_region(self) -> dict[int, tuple[Op, ...]]:
+    # Every stage asks for the top level: one pass over the ops serves them all.
+    out: dict[int, list[Op]] = {}
+    for op in self.ops:
+      out.setdefault(op.region, []).append(op)
+    return {r: tuple(ops) for r, ops in out.items()}
+
   def region_ops(self, region: int = 0) -> tuple[Op, ...]:
     """The ops directly inside `region`, in program order."""
-    return tuple(op for op in self.ops if op.region == region)
+    return self._ops_by_region.get(region, ())
 
   def summary(self) -> str:
     top = self.region_ops(0)

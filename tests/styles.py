@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import time
 import collections
 from typing import Any, Callable
 
@@ -668,17 +670,41 @@ def plain_scan_step(params, x):
   return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
 
 
+def _search_s(name: str, layers: int, clock: str) -> float:
+  """`plan.stats.search_s` of one search, in a fresh process: a process that has traced
+  other programs first is slower (more live objects for the garbage collector, warm and
+  cold caches), which made a program's time look as if it grew with the depth."""
+  import subprocess  # noqa: PLC0415 - command line only
+
+  out = subprocess.run([sys.executable, __file__, "--one", name, str(layers), clock],
+                       check=True, capture_output=True, text=True).stdout
+  return float(out.strip().splitlines()[-1])
+
+
+def _one(name: str, layers: int, clock: str) -> None:
+  if clock == "cpu":  # the stages read `time.perf_counter`: CPU seconds instead
+    time.perf_counter = time.process_time
+  p = STYLES[name](layers)
+  print(tapas_jax.search(p.step, p.state, p.batch, mesh={"data": 2, "model": 4},
+                         device="h100").stats.search_s)
+
+
 def main(argv: list[str]) -> None:
   """Prints, per style and depth, how the train step folds (and with --search, how long
-  the search takes, the least of --repeat=N runs: the machine may be shared):
-  `PYTHONPATH=$PWD python tests/styles.py 4,12,48 [--search] [--repeat=3] [style ...]`.
+  the search takes, the least of --repeat=N runs, each in a fresh process: the machine
+  may be shared; --clock=cpu: the process's CPU seconds, steadier on a loaded machine):
+  `PYTHONPATH=$PWD python tests/styles.py 4,12,48 [--search] [--repeat=3] [--clock=cpu]
+  [style ...]`.
   """
   from tapas_jax.fold import fold  # noqa: PLC0415 - only the command line needs it
   from tapas_jax.trace import trace  # noqa: PLC0415
 
+  if argv[0] == "--one":
+    return _one(argv[1], int(argv[2]), argv[3])
   depths = [int(d) for d in argv[0].split(",")]
   search = "--search" in argv
   repeat = max([int(a.split("=")[1]) for a in argv if a.startswith("--repeat=")] or [1])
+  clock = "cpu" if "--clock=cpu" in argv else "wall"
   names = [a for a in argv[1:] if not a.startswith("--")] or list(STYLES)
   print("style                 layers     ops  in layers  unique  instances  method"
         + ("     search s" if search else ""))
@@ -690,13 +716,10 @@ def main(argv: list[str]) -> None:
       line = (f"{name:20s} {layers:7d} {f.num_ops:7d} {100 * share:9.1f}% "
               f"{len(f.unique_layers):7d} {len(f.instances):10d}  {f.method:9s}")
       if search:
-        times = [tapas_jax.search(p.step, p.state, p.batch, mesh={"data": 2, "model": 4},
-                                  device="h100").stats.search_s for _ in range(repeat)]
+        times = [_search_s(name, layers, clock) for _ in range(repeat)]
         line += f" {min(times):8.2f}"
       print(line, flush=True)
 
 
 if __name__ == "__main__":
-  import sys  # noqa: PLC0415 - command line only
-
   main(sys.argv[1:])

@@ -38,7 +38,7 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
   needed = set(graph.outputs if outputs is None else outputs)
   live = set()
   for op in reversed(top):
-    if not op.outputs or any(v in needed for v in op.outputs):
+    if not op.outputs or not needed.isdisjoint(op.outputs):
       live.add(op.index)
       needed.update(op.inputs)
   return live
@@ -103,15 +103,24 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
   out: set[int] = set()
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
+  ops, consumers = graph.ops, graph.consumers
+  # `_reader_fuses` is a fact of the reader's primitive, asked of every reader of every
+  # op: asked once per primitive here (not cached across calls: rules may be registered).
+  takes = {p: _reader_fuses(ops[i], dot_operands)
+           for p, i in {op.primitive: op.index for op in top}.items()}
   for op in top:
+    if op.index not in live:
+      continue
     one_hot = dot_operands and _one_hot_scatter(graph, op)  # its combiner is a region
-    if op.index not in live or not (one_hot or (ruleslib.facts(op.primitive).fusible
-                                                and not op.subregions)):
+    if not (one_hot or (ruleslib.facts(op.primitive).fusible and not op.subregions)):
       continue
     for v in op.outputs:
-      readers = [graph.ops[c] for c in graph.consumers.get(v, ()) if c in live]
-      if not (v not in outputs and readers
-              and all(_reader_fuses(r, dot_operands) and not r.subregions for r in readers)
+      if v in outputs:
+        continue
+      readers = [ops[c] for c in consumers.get(v, ()) if c in live]
+      if not (readers
+              and all(takes[r.primitive] and not r.subregions
+                      for r in readers)
               and (dot_operands or not ruleslib.facts(op.primitive).expensive
                    or len(readers) == 1)
               and (len(readers) == 1 or not any(r.index in into_reduction

@@ -225,10 +225,12 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   # `(1 - b) * g`) fuse into the update, after the gradient's reduction, whatever the
   # program order: they write nothing out of their own.
   feeding: set[int] = set()
+  consumers = g.consumers
   for op in reversed(top):
-    if op.index in live and op.outputs and not in_update(op.index) and all(
-        w in delivered or (w in fused and all(c in feeding for c in g.consumers.get(w, ())
-                                              if c in live)) for w in op.outputs):
+    if op.index in live and op.outputs and op.index not in update and all(
+        w in delivered or (w in fused and all(c in feeding or c not in live
+                                              for c in consumers.get(w, ())))
+        for w in op.outputs):
       feeding.add(op.index)
 
   # The gradients as XLA reduces them: the values a delivered value is computed from
@@ -261,37 +263,49 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   # A fused value is recomputed where it is read: what it is made of stays live until
   # then. Readers come after producers, so walk backwards.
   reach: dict[int, int] = {}
-  for op in reversed(top):
+  for j in range(end, -1, -1):
+    op = top[j]
     if op.index not in live or op.index in feeding:
       continue
     transposed = conv_copies.get(op.index, {})
-    here = max([pos[op.index]] + [reach.get(w, pos[op.index]) for w in op.outputs
-                                  if w in fused])
+    here = j
+    for w in op.outputs:
+      if w in fused:
+        here = max(here, reach.get(w, j))
+    updating = op.index in update
     for v in op.inputs:
-      if v in delivered and in_update(op.index):
+      if updating and v in delivered:
         continue  # the update reads the delivered copy
       if v in transposed:
         continue  # the conv reads its transposed copy
-      reach[v] = max(reach.get(v, here), here)
+      if reach.get(v, -1) < here:
+        reach[v] = here
 
   def last_reader(v, default):
     return reach.get(v, default)
 
   own: dict[int, int] = {}  # value -> its entry as made
   sided = {r for r, _ in problem.read_sides}  # ops reading through an activation cut
+  # Copies of a layer make their values in their representative's classes: one
+  # `_made` per (representative op, output slot, value in the view, rank).
+  made_of: dict[tuple, tuple[int | None, ...] | None] = {}
+  free = problem.free_values
   for j, op in enumerate(top):
     if op.index not in live:
       continue
-    for v in op.outputs:
+    rep_op = canon.get(op.index, op.index)
+    for slot, v in enumerate(op.outputs):
       t = g.types[v]
       if not t.shape:
         continue
-      made = _made(problem, op, v)
+      cv = vcanon.get(v, v)
+      key = (rep_op, slot, cv, len(t.shape), bool(op.subregions))
+      made = made_of[key] if key in made_of else made_of.setdefault(
+          key, _made(problem, op, v))
       if made is None:
         continue
-      readers = [c for c in g.consumers.get(v, ()) if c in live]
       whole = not (v in fused or v in carried)
-      if problem.cv(v) in problem.free_values and v not in outputs:
+      if cv in free and v not in outputs:
         whole = False  # a constant (a causal mask): XLA builds it inside its readers
       if whole:  # else never written out, or written in place into the donated input
         own[v] = len(start)
@@ -307,9 +321,9 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
         # keep a gathered copy from the forward pass to the backward (measured on the
         # tiny zoo under sequence-parallel plans: a copy held from its first reader to
         # its last over-counted XLA's peak by ~10%).
-        for c in readers:
+        for c in consumers.get(v, ()) if sided else ():
           rep = canon.get(c, c)
-          if rep not in sided:
+          if rep not in sided or c not in live:
             continue
           for k, x in enumerate(g.ops[c].inputs):
             if x != v:
@@ -509,13 +523,16 @@ def _donated_copies(problem: Problem, top, pos, live) -> list[tuple[int, int, in
       targets.setdefault(p, len(targets))
   # Per op, a bitmask of the next values it feeds (itself included): walk backwards.
   feeds: dict[int, int] = {}
+  consumers = g.consumers
   for op in reversed(top):
     if op.index not in live:
       continue
     mask = 1 << targets[op.index] if op.index in targets else 0
     for v in op.outputs:
-      for c in g.consumers.get(v, ()):
-        mask |= feeds.get(c, 0)
+      for c in consumers.get(v, ()):
+        fed = feeds.get(c)
+        if fed:  # most readers feed no next value: skip the wide or
+          mask |= fed
     feeds[op.index] = mask
   out = []
   for k, j in g.carried:
@@ -543,7 +560,7 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   region = scan_region(g, rep)
   if region is None:
     return []
-  body = [o for o in g.ops if o.region == region.index]
+  body = list(g.region_ops(region.index))
   gone = set(dropped)
   kept = [v for s, v in enumerate(region.outputs) if s not in gone]
   live = live_ops(g, body, kept)
@@ -595,8 +612,9 @@ def _hand_over_in_place(g, top, pos, live, values, stop, start) -> None:
   at: dict[int, int] = {}
   for k, v in enumerate(values):
     at.setdefault(v, k)  # the value as written, not a later copy of it
+  in_place = {p for p in {op.primitive for op in top} if ruleslib.facts(p).in_place}
   for op in top:
-    if not ruleslib.facts(op.primitive).in_place or op.index not in live or not op.inputs:
+    if op.primitive not in in_place or op.index not in live or not op.inputs:
       continue
     k = at.get(op.inputs[0])
     j = pos[op.index]

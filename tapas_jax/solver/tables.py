@@ -541,7 +541,7 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   unwritten = set(fused)
   for loop in problem.view.loops:
     region = scan_region(g, g.ops[loop])
-    body = [op for op in g.ops if op.region == region.index]
+    body = list(g.region_ops(region.index))
     live = live_ops(g, body, region.outputs)
     dead |= {op.index for op in body} - live
     unwritten |= fused_values(g, body, live, region.outputs)

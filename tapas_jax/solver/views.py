@@ -102,7 +102,7 @@ def with_scan_bodies(graph: Graph, view: View) -> View:
     if region is None:
       continue
     loops.add(i)
-    body = [op.index for op in graph.ops if op.region == region.index]
+    body = [op.index for op in graph.region_ops(region.index)]
     ops += body
     pending += body
     for b in body:
@@ -136,14 +136,15 @@ def folded_view(folded: Folded) -> View:
     ops.update(rep.ops)
     for i in rep.ops:
       weight[i] = len(interior)
+    params = g.input_path
     for inst in interior:
       if inst.index == rep.index:
         continue
+      op_canon.update(zip(inst.ops, rep.ops))
       for a, b in zip(inst.ops, rep.ops):
         op_a, op_b = g.ops[a], g.ops[b]
-        op_canon[a] = b
         canon.update(zip(op_a.outputs, op_b.outputs))
         for va, vb in zip(op_a.inputs, op_b.inputs):
-          if va in g.input_path and vb in g.input_path:
+          if va in params and vb in params:
             canon[va] = vb  # this copy's parameter is laid out like the representative's
   return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon)

@@ -84,9 +84,10 @@ def compiled_row(name, plan, figures, compile_s):
   sent = dict(f.comm_bytes).get("total", 0.0)
   print(f"  {name:<16} compiled on {f.target}: {f.peak_bytes / GiB:.2f} GiB "
         f"(args {f.argument_bytes / GiB:.2f} + temp {f.temp_bytes / GiB:.2f} + out "
-        f"{f.output_bytes / GiB:.2f} - alias {f.alias_bytes / GiB:.2f}) of "
+        f"{f.output_bytes / GiB:.2f} - alias {f.alias_bytes / GiB:.2f}), live peak "
+        f"{f.fit_bytes / GiB:.2f} (judged) of "
         f"{f.hbm_bytes / GiB:.2f}: {'fits' if f.fits else 'DOES NOT FIT'}; predicted / "
-        f"compiled {s.predicted_memory_bytes / max(f.peak_bytes, 1):.2f}; sent predicted "
+        f"live {s.predicted_memory_bytes / max(f.fit_bytes, 1):.2f}; sent predicted "
         f"{s.predicted_comm_bytes / GiB:.2f} GiB, compiled {sent / GiB:.2f} GiB "
         f"({kinds or 'none'}); {compile_s:.0f} s", flush=True)
   return s.predicted_step_s, f.fits

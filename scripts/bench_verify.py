@@ -54,9 +54,9 @@ _SHORT = {"all-gather": "ag", "all-reduce": "ar", "reduce-scatter": "rs", "all-t
 def zoo(a, mesh):
   print(f"jax {jax.__version__}; topology {a.topology}; mesh {mesh}; batch {a.batch}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
-        "pred / comp | predicted sent KiB | compiled sent KiB (" + ", ".join(_SHORT.values())
-        + ") | sent pred / comp | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "pred / comp | live MiB | pred / live | predicted sent KiB | compiled sent KiB ("
+        + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for family in a.families.split(","):
     m = models.get_model(family, "tiny")
     args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
@@ -64,7 +64,7 @@ def zoo(a, mesh):
       try:
         plan = _plan(layout, args, mesh, family, a.device)
       except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
-        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | | |")
+        print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | | | | |")
         continue
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -74,6 +74,7 @@ def zoo(a, mesh):
                         for kind, short in _SHORT.items() if r.comm_bytes.get(kind))
       print(f"| {family} | {layout} | {r.predicted_memory_bytes / 2**20:.2f} | "
             f"{r.peak_bytes / 2**20:.2f} | {r.memory_ratio:.2f} | "
+            f"{r.live_peak_bytes / 2**20:.2f} | {r.live_ratio:.2f} | "
             f"{r.predicted_comm_bytes / 2**10:.1f} | {sent / 2**10:.1f}"
             f"{f' ({kinds})' if kinds else ''} | "
             f"{r.predicted_comm_bytes / sent if sent else float('nan'):.2f} | "

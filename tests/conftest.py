@@ -57,6 +57,15 @@ def _two_steps(plan, model, batch_size):
 
 
 @pytest.fixture
+def libtpu():
+  """libtpu, for the TPU compiler tests (ahead of time, no TPU attached); where it cannot
+  be loaded they skip, saying so."""
+  return pytest.importorskip(
+      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
+      "compiler tests are skipped")
+
+
+@pytest.fixture
 def two_steps():
   """`_two_steps`: a plan applied for two steps, checked against the unsharded step."""
   return _two_steps

@@ -215,13 +215,6 @@ def test_other_profiles_store_arrays_as_their_bytes(name):
   assert cost.stored_bytes((64, 64), 4, cost.compiled_by_xla_cpu("tpu-v5p")) == 64 * 64 * 4
 
 
-@pytest.fixture
-def libtpu():
-  return pytest.importorskip(
-      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
-      "compiler tests are skipped")
-
-
 def test_the_tpu_tiles_are_the_compiler_s(libtpu):
   # The table above compiled again: each array alone, replicated over v5p:2x2x1.
   del libtpu

@@ -247,13 +247,6 @@ def test_a_tpu_loop_s_trip_count_is_read_from_its_condition():
 # -- how the TPU compiler lowers collectives (libtpu ahead of time, no TPU attached) -------
 
 
-@pytest.fixture
-def libtpu():
-  return pytest.importorskip(
-      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
-      "compiler tests are skipped")
-
-
 def _tpu_compile(topology, sizes, fn, in_spec, out_spec, *shapes, mesh=None):
   mesh = mesh or verifylib.tpu_mesh(topology, dict(zip(("data", "model"), sizes)))
   sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731

@@ -505,13 +505,6 @@ def test_tpu_fusion_reads_a_norm_inside_its_dots_and_writes_the_residual():
                      "logistic bfloat16", "dot_general bfloat16"]
 
 
-@pytest.fixture
-def libtpu():
-  return pytest.importorskip(
-      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
-      "compiler tests are skipped")
-
-
 def test_tpu_fusion_agrees_with_the_tpu_compiler(libtpu):
   # The same program, data parallel over v5p:2x2x1, judged by the TPU compiler
   # (libtpu 0.0.42.1: 50.1 MiB per device, predicted 47.0 with the fusions and 171.0

@@ -25,13 +25,6 @@ def _loss(w, x):
   return jnp.sum(jnp.tanh(x @ w) ** 2)
 
 
-@pytest.fixture
-def libtpu():
-  return pytest.importorskip(
-      "libtpu", reason="libtpu cannot be loaded (pip install 'tapas_jax[tpu]'): the TPU "
-      "compiler tests are skipped")
-
-
 def _direct(plan, fn, args, mesh, donate=()):
   """The same applied plan compiled by hand."""
   return tapas.apply(plan, fn, mesh=mesh, donate_argnums=donate).lower(*args).compile()

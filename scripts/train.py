@@ -483,6 +483,12 @@ def train(settings: Settings) -> int:
     if created and not os.listdir(workdir):  # refused before writing: leave no trace
       os.rmdir(workdir)
     raise
+  finally:
+    if jax.process_count() > 1:
+      # Every process leaves through the shutdown barrier while all are alive: left to
+      # interpreter teardown, process 0 can drop the coordination service under a peer
+      # still exiting, and gRPC aborts (SIGABRT, "server.cc Check failed: queue.Pop()").
+      jax.distributed.shutdown()
 
 
 def _train(jax, settings: Settings, workdir: str | None) -> int:

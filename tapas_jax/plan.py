@@ -64,6 +64,9 @@ class Plan:
       backward recomputes their forward ("dots_saveable": all but dot outputs,
       "nothing_saveable": all of it); `apply` does it, `remat_policy` gives the policy.
     compiled: the compiler's figures (`search(..., verify=...)`), or None.
+    use_specs: (path, PartitionSpec) of every argument leaf the compute reads in
+      another layout than it is stored in, every layer instance's (`layers` lists only
+      each unique layer's first instance, for the report).
   """
 
   mesh_axes: Mapping[str, int]
@@ -81,6 +84,7 @@ class Plan:
   baselines: tuple[BaselineFigures, ...] = ()
   remat: tuple[tuple[str, str], ...] = ()
   compiled: CompiledFigures | None = None
+  use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -304,7 +308,8 @@ def make_plan(folded: Folded, solution: Solution, args: Sequence[Any], search_s:
               class_axes=terms.class_axes, layers=layers, stats=stats,
               fingerprint=g.regions[0].fingerprint, name=name, constraints=terms.constraints,
               kwargs_specs=kwargs_specs, input_types=tuple((i.path, i.type) for i in terms.inputs),
-              decisions=terms.decisions, baselines=tuple(baselines), remat=terms.remat)
+              decisions=terms.decisions, baselines=tuple(baselines), remat=terms.remat,
+              use_specs=tuple((i.path, i.used) for i in terms.inputs if i.used is not None))
 
 
 def _layers(folded: Folded, inputs: Sequence[InputSpec]) -> tuple[LayerStrategy, ...]:

@@ -20,9 +20,10 @@ reader refuses versions newer than its own), `name`, `device`, `fingerprint`, `m
 `class_axes`, `layers`, `stats` (the `PlanStats` fields) and `constraints` ({site,
 slot, spec}); a plan searched with `verify=` also has `compiled` (the
 `CompiledFigures` fields; `comm_bytes` and `rounds` as lists, an unlimited budget null),
-which files of plans without it leave out, so older readers still read them. A
-PartitionSpec is a list of null, an axis name or a list of names; a
-spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
+which files of plans without it leave out, so older readers still read them; so do
+`remat` and `use_specs` (every argument leaf read in another layout than stored; a file
+without it gives the layers' own). A PartitionSpec is a list of null, an axis name or a
+list of names; a spec tree node is {"P": spec}, {"dict": [[key, node], ...]}, {"list": [...]},
 {"tuple": [...]}, {"node": type name, "keys": [[kind, key], ...], "children": [...]}
 or null.
 
@@ -236,6 +237,8 @@ def to_json(plan: Any) -> dict[str, Any]:
   }
   if plan.remat:  # only then: a plan without remat stays readable by older releases
     out["remat"] = [[layer, policy] for layer, policy in plan.remat]
+  if plan.use_specs:  # the same
+    out["use_specs"] = [[p, _spec_json(s, "use_specs")] for p, s in plan.use_specs]
   if plan.compiled is not None:  # the same: only plans searched with verify= have it
     c = plan.compiled
     out["compiled"] = {**dataclasses.asdict(c), "comm_bytes": [list(kv) for kv in c.comm_bytes],
@@ -402,7 +405,7 @@ def _jsonable(value: Any) -> bool:
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
-        "decisions", "baselines", "remat", "compiled"}
+        "decisions", "baselines", "remat", "compiled", "use_specs"}
 # Stats fields added after version 1's first files: absent from older ones.
 _LATER_STATS = frozenset({"plan_s", "report_s"})
 
@@ -524,6 +527,13 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
       raise r.fail(f"remat[{j}][1]", f"one of {REMAT_POLICIES}", policy)
     remat.append((r.string(layer, f"remat[{j}][0]"), policy))
   compiled = _compiled(r, data["compiled"]) if "compiled" in data else None
+  if "use_specs" in data:
+    use_specs = tuple(
+        (r.string(r.pair(ps, f"use_specs[{i}]")[0], f"use_specs[{i}][0]"),
+         r.spec(ps[1], f"use_specs[{i}][1]"))
+        for i, ps in enumerate(r.array(data["use_specs"], "use_specs")))
+  else:  # older files: only each unique layer's first instance is known
+    use_specs = tuple(ps for la in layers for ps in la.use_specs)
   return plan_type(
       mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
       in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
@@ -531,7 +541,7 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
       name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
       kwargs_specs=kwargs_specs, input_types=tuple(input_types),
       decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat),
-      compiled=compiled)
+      compiled=compiled, use_specs=use_specs)
 
 
 def _compiled(r: _Reader, value: Any) -> records.CompiledFigures:

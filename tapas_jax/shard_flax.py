@@ -248,7 +248,7 @@ def forward_plan(module_plan: ModulePlan, forward: Callable, params, state,
   if len(stored) != len(graph.inputs):
     raise ValueError(f"forward_plan: the train plan has {len(stored)} parameter, state and "
                      f"input specs, the forward {len(graph.inputs)} inputs")
-  used = {path: spec for layer in train.layers for path, spec in layer.use_specs}
+  used = dict(train.use_specs)
   layout = solver.layout_choice(
       problem, stored={i.path: spec for i, spec in zip(graph.inputs, stored)},
       used={i.path: used.get(i.path, spec) if i.arg == 0 else spec

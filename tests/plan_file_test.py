@@ -259,3 +259,18 @@ def test_a_bad_compiled_field_is_named(tmp_path, field, value, message):
   path.write_text(json.dumps(data))
   with pytest.raises(plan_file.PlanFileError, match=message):
     tapas.Plan.load(path)
+
+
+def test_every_instances_use_specs_round_trip_and_older_files_read_the_layers(tmp_path):
+  m = models.get_model("gpt", "tiny")
+  plan = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8), mesh=MESH,
+                      device="cpu", memory_budget="2MiB")
+  first = [ps for la in plan.layers for ps in la.use_specs]
+  assert first and len(plan.use_specs) > len(first), "the case needs gathered weights"
+  plan.save(tmp_path / "plan.json")
+  assert tapas.Plan.load(tmp_path / "plan.json").use_specs == plan.use_specs
+  data = plan_file.to_json(plan)
+  del data["use_specs"]  # written before the field: the layers' first instances only
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert tapas.Plan.load(tmp_path / "old.json").use_specs == tuple(first)
+  assert "use_specs" not in plan_file.to_json(small_plan())  # older readers: no new field

@@ -35,9 +35,8 @@ from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import plan_file
 from tapas_jax import trace as tracelib
+from tapas_jax import solver
 from tapas_jax.mesh import MeshError, make_mesh
-from tapas_jax.solver import remat as rematlib
-from tapas_jax.solver import views
 
 __all__ = ["apply", "place", "place_as_planned", "remat_policy"]
 
@@ -475,10 +474,10 @@ class _Recompute:
         raise ValueError(f"apply: plan {plan.name!r} rematerialises layer {layer!r}, but "
                          f"this program's unique layers are {sorted(names)}. Search again "
                          "on this program.")
-      remats += rematlib.layer_remats(folded, names[layer], policy)
-    scans = [r for r in remats if isinstance(r, rematlib.ScanRemat)]
+      remats += solver.layer_remats(folded, names[layer], policy)
+    scans = [r for r in remats if isinstance(r, solver.ScanRemat)]
     return cls(graph, [r for r in remats if r not in scans], pins,
-               [(r, views.scan_region(graph, graph.ops[r.forward])) for r in scans])
+               [(r, solver.scan_region(graph, graph.ops[r.forward])) for r in scans])
 
   def loop(self, site: tuple) -> "_ScanRecompute | None":
     """The rematerialised scanned stack whose forward or backward loop sits here."""
@@ -537,7 +536,7 @@ class _Recompute:
 
 
 class _ScanRecompute:
-  """One scanned stack's rematerialisation (`solver.remat.ScanRemat`), done on its two
+  """One scanned stack's rematerialisation (`solver.ScanRemat`), done on its two
   loops as `jax.checkpoint` around the scan's body would have done it.
 
   The forward loop runs its body as before but writes out only the residuals kept (and

@@ -239,7 +239,8 @@ def test_every_lazy_import_listed_is_used():
 # names (`tapas_jax/solver/__init__.py` `__all__`): no submodule, no class id read off
 # a `Problem` by hand (issue 19).
 SOLVER_CLIENTS = ("tapas_jax.plan", "tapas_jax.plan_records", "tapas_jax.plan_file",
-                  "tapas_jax.baselines", "tapas_jax.shard_flax", "tapas_jax.api")
+                  "tapas_jax.baselines", "tapas_jax.shard_flax", "tapas_jax.api",
+                  "tapas_jax.apply")
 
 
 def solver_surface(init_source: str) -> set[str]:

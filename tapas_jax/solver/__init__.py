@@ -23,7 +23,8 @@ Modules, in the order data flows through them:
   what they were built from, so a whole-program pass runs once per search.
 
 `tapas_jax.api.search` runs trace, fold and this package, then `plan.make_plan`, which
-reads a `Solution` and nothing else of the solver. The modules above the solver use the
+reads a `Solution` and nothing else of the solver; `apply` does a plan's remat through
+`layer_remats`, `ScanRemat` and `scan_region`. The modules above the solver use the
 names below only (`tests/imports_test.py` checks it).
 """
 
@@ -33,15 +34,15 @@ from tapas_jax.solver.problem import (MODEL_AXIS_NAMES, DimClass, Problem,
                                       build_problem, data_axes, default_batch_axes,
                                       warn_batch_unsplit, with_batch_axes)
 from tapas_jax.solver.remat import POLICIES as REMAT_POLICIES
-from tapas_jax.solver.remat import layer_remats
+from tapas_jax.solver.remat import ScanRemat, layer_remats
 from tapas_jax.solver.result import (Constraint, Decision, InputSpec, PlanTerms, Solution,
                                      Status)
 from tapas_jax.solver.solve import SOLVERS, evaluate, solve, warn_unsplittable
-from tapas_jax.solver.views import View, folded_view, unfolded_view
+from tapas_jax.solver.views import View, folded_view, scan_region, unfolded_view
 
 __all__ = ["MODEL_AXIS_NAMES", "REMAT_POLICIES", "SOLVERS", "BudgetResult", "Constraint",
            "Decision", "DimClass", "InfeasibleBudgetError", "InputSpec", "LayoutChoice",
-           "PlanTerms", "Problem", "Solution", "Status", "View", "build_problem",
-           "data_axes", "default_batch_axes", "evaluate", "folded_view", "layer_remats",
-           "layout_choice", "solve", "unfolded_view", "warn_batch_unsplit",
-           "warn_unsplittable", "with_batch_axes"]
+           "PlanTerms", "Problem", "ScanRemat", "Solution", "Status", "View",
+           "build_problem", "data_axes", "default_batch_axes", "evaluate", "folded_view",
+           "layer_remats", "layout_choice", "scan_region", "solve", "unfolded_view",
+           "warn_batch_unsplit", "warn_unsplittable", "with_batch_axes"]

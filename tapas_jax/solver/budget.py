@@ -24,6 +24,7 @@ from tapas_jax.options import format_bytes
 from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
                                      memory_used)
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.result import Status
 from tapas_jax.solver.tables import Table, evaluate_tables
 
 __all__ = ["BudgetResult", "InfeasibleBudgetError", "best_of", "budget_error", "fit_budget",
@@ -41,7 +42,7 @@ class BudgetResult:
     weight: the Lagrange weight on memory that produced it (0: none used).
     used_bytes: per-device bytes of `assignment` as the budget counts them.
     largest_live: the biggest intermediates at its peak, as text (set when it does not fit).
-    status: the solver's status for `assignment` ("optimal", "time_limit", ...).
+    status: the solver's status for `assignment` (`Status`, or HiGHS's message).
   """
 
   assignment: Mapping[int, int] | None
@@ -49,7 +50,7 @@ class BudgetResult:
   weight: float = 0.0
   used_bytes: float = math.inf
   largest_live: str = ""
-  status: str = "optimal"
+  status: Status | str = Status.OPTIMAL
 
 
 class InfeasibleBudgetError(TapasError, ValueError):

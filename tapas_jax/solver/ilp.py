@@ -13,6 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from tapas_jax.solver.eliminate import merge
+from tapas_jax.solver.result import Status
 
 __all__ = ["IlpResult", "solve_ilp"]
 
@@ -23,12 +24,12 @@ class IlpResult:
 
   Attributes:
     assignment: class -> domain index; None when no plan was found.
-    status: "optimal", "time_limit" (stopped early with a plan), "infeasible" (no plan
-      meets the memory row), or the solver's message.
+    status: `Status.OPTIMAL`, `TIME_LIMIT` (stopped early with a plan), `INFEASIBLE`
+      (no plan meets the memory rows), or HiGHS's own message for another stop.
   """
 
   assignment: Mapping[int, int] | None
-  status: str
+  status: Status | str
 
 
 def solve_ilp(factors, domain_size: Mapping[int, int], memory_rows, budget: float | None,
@@ -111,13 +112,13 @@ def solve_ilp(factors, domain_size: Mapping[int, int], memory_rows, budget: floa
                       constraints=optimize.LinearConstraint(matrix, lo, hi), options=options)
   if res.x is None:
     if res.status == 2:
-      return IlpResult(None, "infeasible")
+      return IlpResult(None, Status.INFEASIBLE)
     if res.status == 1:
       raise RuntimeError(
           f"search: the integer program (solver='ilp') hit time_limit={time_limit} s "
           "before it found any plan. Give it more time, or use solver='elimination' "
           "(with fold=True, the default): the same objective, found far faster.")
     raise RuntimeError(f"search: the integer program found no solution ({res.message})")
-  status = "optimal" if res.status == 0 else "time_limit" if res.status == 1 else res.message
+  status = {0: Status.OPTIMAL, 1: Status.TIME_LIMIT}.get(res.status, res.message)
   assignment = {c: int(np.argmax(res.x[xoff[c]:xoff[c] + domain_size[c]])) for c in classes}
   return IlpResult(assignment, status)

@@ -40,6 +40,7 @@ class Status(enum.StrEnum):
   TIME_LIMIT = "time_limit"  # the integer program stopped early, with a plan
   REDUCED_SINGLE_AXIS = "exact over reduced domains (single-axis)"  # elimination narrowed
   REDUCED_BATCH_ONLY = "exact over reduced domains (batch-only)"  # the choices to solve
+  INFEASIBLE = "infeasible"  # the integer program: no plan meets the budget rows
 
   @classmethod
   def of(cls, text: str) -> "Status | str":

@@ -186,6 +186,10 @@ class _Weighted:
     return run
 
 
+_LEVEL_STATUS = {"full": Status.OPTIMAL, "single-axis": Status.REDUCED_SINGLE_AXIS,
+                 "batch-only": Status.REDUCED_BATCH_ONLY}
+
+
 def _by_elimination(problem: Problem, objective: _Objective, acts, budget,
                     incumbents=()) -> BudgetResult:
   """Exact elimination over every axis subset, or over fewer when that is too entangled
@@ -194,7 +198,7 @@ def _by_elimination(problem: Problem, objective: _Objective, acts, budget,
   for level in ("full", "single-axis", "batch-only"):
     keep = reduced_domains(problem, level)
     sizes = {c: len(k) for c, k in keep.items() if len(k) > 1}
-    status = "optimal" if level == "full" else f"exact over reduced domains ({level})"
+    status = _LEVEL_STATUS[level]
     try:
       weighted = _Weighted(objective, keep, sizes)
       result = BudgetResult(weighted.run(), fits=True, status=status)

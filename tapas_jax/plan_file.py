@@ -421,6 +421,28 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
     source: the file or object named in error messages.
   """
   r = _Reader(source)
+  _check_header(r, data)
+  mesh = _mesh(r, data)
+  r.axes = set(mesh)  # every spec below names these axes only
+  layers = _layers(r, data)
+  return plan_type(
+      mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
+      in_specs=tuple(r.tree(t, f"in_specs[{i}]") for i, t in
+                     enumerate(r.array(r.field(data, "in_specs", "in_specs"), "in_specs"))),
+      class_axes=_class_axes(r, data), layers=layers, stats=_stats(r, data),
+      fingerprint=r.string(r.field(data, "fingerprint", "fingerprint"), "fingerprint"),
+      name=r.string(r.field(data, "name", "name"), "name"),
+      constraints=_constraints(r, data), kwargs_specs=_kwargs_specs(r, data),
+      input_types=_input_types(r, data), decisions=_decisions(r, data),
+      baselines=_baselines(r, data), remat=_remat(r, data),
+      compiled=_compiled(r, data["compiled"]) if "compiled" in data else None,
+      use_specs=(_path_specs(r, data["use_specs"], "use_specs") if "use_specs" in data
+                 # older files: only each unique layer's first instance is known
+                 else tuple(ps for la in layers for ps in la.use_specs)))
+
+
+def _check_header(r: _Reader, data: Any) -> None:
+  """A JSON object of this schema, of a version this reader knows, with known fields."""
   if not isinstance(data, dict):
     raise r.fail("the file", "a JSON object", data)
   schema = r.field(data, "schema", "schema")
@@ -428,53 +450,74 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
     raise r.fail("schema", repr(SCHEMA), schema)
   version = r.integer(r.field(data, "version", "version"), "version", low=1)
   if version > VERSION:
-    raise PlanFileError(f"{source}: version {version} was written by a newer tapas_jax; "
+    raise PlanFileError(f"{r.source}: version {version} was written by a newer tapas_jax; "
                         f"this one reads up to version {VERSION}. Upgrade tapas_jax.")
   r.mapping(data, "the file", _TOP)
+
+
+def _mesh(r: _Reader, data: dict) -> dict[str, int]:
   mesh = {}
   for i, item in enumerate(r.array(r.field(data, "mesh", "mesh"), "mesh")):
     name, size = r.pair(item, f"mesh[{i}]")
     mesh[r.string(name, f"mesh[{i}][0]")] = r.integer(size, f"mesh[{i}][1]", low=1)
   if not mesh:
     raise r.fail("mesh", "at least one [axis, size]", [])
-  r.axes = set(mesh)
-  fingerprint = r.string(r.field(data, "fingerprint", "fingerprint"), "fingerprint")
-  in_specs = tuple(r.tree(t, f"in_specs[{i}]") for i, t in
-                   enumerate(r.array(r.field(data, "in_specs", "in_specs"), "in_specs")))
-  kwargs_specs = {}
+  return mesh
+
+
+def _kwargs_specs(r: _Reader, data: dict) -> dict[str, Any]:
+  out = {}
   for i, item in enumerate(r.array(r.field(data, "kwargs_specs", "kwargs_specs"),
                                    "kwargs_specs")):
     k, tree = r.pair(item, f"kwargs_specs[{i}]")
-    kwargs_specs[r.string(k, f"kwargs_specs[{i}][0]")] = r.tree(tree, f"kwargs_specs[{k!r}]")
-  input_types = []
+    out[r.string(k, f"kwargs_specs[{i}][0]")] = r.tree(tree, f"kwargs_specs[{k!r}]")
+  return out
+
+
+def _input_types(r: _Reader, data: dict) -> tuple[tuple[str, str], ...]:
+  out = []
   for i, item in enumerate(r.array(r.field(data, "input_types", "input_types"),
                                    "input_types")):
     path, ttype = r.pair(item, f"input_types[{i}]")
-    input_types.append((r.string(path, f"input_types[{i}][0]"),
-                        r.string(ttype, f"input_types[{i}][1]")))
-  class_axes = []
+    out.append((r.string(path, f"input_types[{i}][0]"),
+                r.string(ttype, f"input_types[{i}][1]")))
+  return tuple(out)
+
+
+def _class_axes(r: _Reader, data: dict) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+  out = []
   for i, item in enumerate(r.array(r.field(data, "class_axes", "class_axes"), "class_axes")):
     if not isinstance(item, list) or len(item) != 3:
       raise r.fail(f"class_axes[{i}]", "[example, size, [axes]]", item)
-    class_axes.append((r.string(item[0], f"class_axes[{i}][0]"),
-                       r.integer(item[1], f"class_axes[{i}][1]", low=1),
-                       tuple(r.axis(a, f"class_axes[{i}][2][{j}]") for j, a in
-                             enumerate(r.array(item[2], f"class_axes[{i}][2]")))))
-  layers = []
+    out.append((r.string(item[0], f"class_axes[{i}][0]"),
+                r.integer(item[1], f"class_axes[{i}][1]", low=1),
+                tuple(r.axis(a, f"class_axes[{i}][2][{j}]") for j, a in
+                      enumerate(r.array(item[2], f"class_axes[{i}][2]")))))
+  return tuple(out)
+
+
+def _path_specs(r: _Reader, value: Any, where: str) -> tuple[tuple[str, PartitionSpec], ...]:
+  """A list of [path, spec] pairs."""
+  return tuple((r.string(r.pair(ps, f"{where}[{i}]")[0], f"{where}[{i}][0]"),
+                r.spec(ps[1], f"{where}[{i}][1]"))
+               for i, ps in enumerate(r.array(value, where)))
+
+
+def _layers(r: _Reader, data: dict) -> tuple[records.LayerStrategy, ...]:
+  out = []
   for j, la in enumerate(r.array(r.field(data, "layers", "layers"), "layers")):
     where = f"layers[{j}]"
     r.mapping(la, where, {"name", "instances", "param_specs", "use_specs"})
-    specs = {}
-    for kind in ("param_specs", "use_specs"):
-      specs[kind] = tuple(
-          (r.string(r.pair(ps, f"{where}.{kind}[{i}]")[0], f"{where}.{kind}[{i}][0]"),
-           r.spec(ps[1], f"{where}.{kind}[{i}][1]"))
-          for i, ps in enumerate(r.array(r.field(la, kind, f"{where}.{kind}"),
-                                         f"{where}.{kind}")))
-    layers.append(records.LayerStrategy(
+    specs = {kind: _path_specs(r, r.field(la, kind, f"{where}.{kind}"), f"{where}.{kind}")
+             for kind in ("param_specs", "use_specs")}
+    out.append(records.LayerStrategy(
         name=r.string(r.field(la, "name", f"{where}.name"), f"{where}.name"),
         instances=r.integer(r.field(la, "instances", f"{where}.instances"),
                             f"{where}.instances", low=1), **specs))
+  return tuple(out)
+
+
+def _stats(r: _Reader, data: dict) -> records.PlanStats:
   stats = r.mapping(r.field(data, "stats", "stats"), "stats",
                     {f.name for f in dataclasses.fields(records.PlanStats)})
   values = {}
@@ -489,7 +532,11 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
       values[f.name] = r.string(value, where)
     else:
       values[f.name] = float(r.number(value, where))
-  constraints = []
+  return records.PlanStats(**values)
+
+
+def _constraints(r: _Reader, data: dict) -> tuple[records.Constraint, ...]:
+  out = []
   for j, c in enumerate(r.array(r.field(data, "constraints", "constraints"), "constraints")):
     where = f"constraints[{j}]"
     r.mapping(c, where, {"site", "slot", "spec"})
@@ -497,51 +544,48 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
     for i, s in enumerate(site):
       if isinstance(s, bool) or not isinstance(s, (int, str)):
         raise r.fail(f"{where}.site[{i}]", "an equation index or a param name", s)
-    constraints.append(records.Constraint(
+    out.append(records.Constraint(
         site=tuple(site), slot=r.integer(r.field(c, "slot", f"{where}.slot"), f"{where}.slot"),
         spec=r.spec(r.field(c, "spec", f"{where}.spec"), f"{where}.spec")))
-  decisions = []
+  return tuple(out)
+
+
+def _decisions(r: _Reader, data: dict) -> tuple[records.Decision, ...]:
+  out = []
   for j, d in enumerate(r.array(data.get("decisions", []), "decisions")):  # a report:
     where = f"decisions[{j}]"                                          # optional
     r.mapping(d, where, {"name", "size", "axes", "why"})
-    decisions.append(records.Decision(
+    out.append(records.Decision(
         name=r.string(r.field(d, "name", f"{where}.name"), f"{where}.name"),
         size=r.integer(r.field(d, "size", f"{where}.size"), f"{where}.size", low=1),
         axes=tuple(r.axis(a, f"{where}.axes[{i}]") for i, a in
                    enumerate(r.array(r.field(d, "axes", f"{where}.axes"), f"{where}.axes"))),
         why=r.string(r.field(d, "why", f"{where}.why"), f"{where}.why")))
-  baselines = []
+  return tuple(out)
+
+
+def _baselines(r: _Reader, data: dict) -> tuple[records.BaselineFigures, ...]:
+  out = []
   for j, b in enumerate(r.array(data.get("baselines", []), "baselines")):
     where = f"baselines[{j}]"
     r.mapping(b, where, {"name", "step_s", "comm_bytes", "memory_bytes"})
     figures = {k: math.inf if r.field(b, k, f"{where}.{k}") is None
                else float(r.number(b[k], f"{where}.{k}"))
                for k in ("step_s", "comm_bytes", "memory_bytes")}
-    baselines.append(records.BaselineFigures(
+    out.append(records.BaselineFigures(
         name=r.string(r.field(b, "name", f"{where}.name"), f"{where}.name"), **figures))
-  remat = []
+  return tuple(out)
+
+
+def _remat(r: _Reader, data: dict) -> tuple[tuple[str, str], ...]:
+  out = []
   for j, item in enumerate(r.array(data.get("remat", []), "remat")):  # optional: older
     layer, policy = r.pair(item, f"remat[{j}]")                      # files have none
     policy = r.string(policy, f"remat[{j}][1]")
     if policy not in REMAT_POLICIES:
       raise r.fail(f"remat[{j}][1]", f"one of {REMAT_POLICIES}", policy)
-    remat.append((r.string(layer, f"remat[{j}][0]"), policy))
-  compiled = _compiled(r, data["compiled"]) if "compiled" in data else None
-  if "use_specs" in data:
-    use_specs = tuple(
-        (r.string(r.pair(ps, f"use_specs[{i}]")[0], f"use_specs[{i}][0]"),
-         r.spec(ps[1], f"use_specs[{i}][1]"))
-        for i, ps in enumerate(r.array(data["use_specs"], "use_specs")))
-  else:  # older files: only each unique layer's first instance is known
-    use_specs = tuple(ps for la in layers for ps in la.use_specs)
-  return plan_type(
-      mesh_axes=mesh, device=r.string(r.field(data, "device", "device"), "device"),
-      in_specs=in_specs, class_axes=tuple(class_axes), layers=tuple(layers),
-      stats=records.PlanStats(**values), fingerprint=fingerprint,
-      name=r.string(r.field(data, "name", "name"), "name"), constraints=tuple(constraints),
-      kwargs_specs=kwargs_specs, input_types=tuple(input_types),
-      decisions=tuple(decisions), baselines=tuple(baselines), remat=tuple(remat),
-      compiled=compiled, use_specs=use_specs)
+    out.append((r.string(layer, f"remat[{j}][0]"), policy))
+  return tuple(out)
 
 
 def _compiled(r: _Reader, value: Any) -> records.CompiledFigures:

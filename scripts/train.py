@@ -551,13 +551,6 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
              out, ckpt_dir)
 
 
-def shardings(jax, plan, mesh):
-  """The plan's `in_specs` as `NamedSharding`s on `mesh`."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.in_specs,
-                      is_leaf=lambda x: isinstance(x, P))
-
-
 def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
   """The train step compiled with the plan, from the argument shapes alone.
 
@@ -566,7 +559,7 @@ def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
   """
   import tapas_jax as tapas  # noqa: PLC0415
   abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                          specs, shardings(jax, plan, mesh))
+                          specs, plan.shardings(mesh))
   start = time.perf_counter()
   try:
     step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
@@ -650,7 +643,7 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
 
   train_step, state_spec, batch_spec = program
   model, config, workdir, device = settings.model, settings.config, settings.workdir, plan.device
-  state_sharding, batch_sharding = shardings(jax, plan, mesh)
+  state_sharding, batch_sharding = plan.shardings(mesh)
   inputs = Inputs(jax, settings, batch_spec, batch_sharding, out)
 
   ckpt = None

@@ -25,7 +25,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import plan_file
 from tapas_jax.options import format_bytes
@@ -89,6 +89,22 @@ class Plan:
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
     plan_file.save(self, path)
+
+  def shardings(self, mesh: jax.sharding.Mesh) -> tuple[Any, ...]:
+    """`in_specs` as `NamedSharding`s on `mesh`: one pytree per positional argument,
+    e.g. for `jax.jit(step, in_shardings=plan.shardings(mesh))` or `jax.device_put`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import tapas_jax as tapas
+      >>> mesh = tapas.make_mesh({"data": 8})
+      >>> plan = tapas.search(lambda x: x * 2, jnp.ones((8, 4)), mesh=mesh)
+      >>> plan.shardings(mesh)[0].spec == jax.sharding.PartitionSpec("data", None)
+      True
+    """
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    return tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+                 for specs in self.in_specs)
 
   def bind(self, *args: Any, kwargs: Mapping[str, Any] | None = None) -> "Plan":
     """This plan with `in_specs` (and `kwargs_specs`) in the arguments' own pytree

@@ -31,7 +31,6 @@ import inspect
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import plan as planlib
 from tapas_jax.api import SearchOptions
@@ -280,7 +279,7 @@ class ShardedFunction:
     if key not in self._entries:
       plan = self.search.search(closed, abstract, mesh)
       applied = apply_plan(plan, closed, mesh=mesh, donate_argnums=donated)
-      self._entries[key] = _Entry(plan, applied, _shardings(plan, mesh))
+      self._entries[key] = _Entry(plan, applied, plan.shardings(mesh))
     entry = self._entries[key]
     self.plan = entry.plan
     return entry, dynamic, abstract
@@ -329,7 +328,3 @@ def _abstract(values: Sequence[Any], labels: Sequence[str]) -> list[Any]:
   return out
 
 
-def _shardings(plan: planlib.Plan, mesh) -> tuple[Any, ...]:
-  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-  return tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-               for specs in plan.in_specs)

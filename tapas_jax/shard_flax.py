@@ -218,9 +218,7 @@ def _module_plan(cache: dict, key: Hashable, search: SearchOptions, forward: Cal
   opt_state = jax.eval_shape(optimizer.init, params)
   step = _train_step(forward, loss_fn or default_loss, optimizer)
   plan = search.search(step, (params, opt_state, state, *inputs), mesh)
-  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-  named = [jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-           for specs in plan.in_specs]
+  named = plan.shardings(mesh)
   cache[key] = ModulePlan(plan=plan, mesh=mesh, params=named[0], opt_state=named[1],
                           state=named[2], inputs=tuple(named[3:]), optimizer=optimizer)
   return cache[key]

@@ -182,6 +182,31 @@ def test_search_verify_returns_a_plan_the_compiler_fits_in_the_budget(libtpu, tm
   assert "compiled for v5p:2x2x1: fits" in plan.summary()
 
 
+def test_search_verify_searches_again_when_the_compiler_rejects_the_first_plan(libtpu):
+  # A budgeted ViT plan the model predicts under the compiler's live peak (0.96 on
+  # libtpu 0.0.42): a budget between its prediction and its live peak is one the model
+  # says it fits and the compiler refuses, so the loop must lower the budget and search
+  # again until the compiler fits the plan.
+  m = models.get_model("vit", "tiny")
+  mesh = {"data": 2, "model": 2}
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  free = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
+  first = tapas.search(*args, mesh=mesh, device="tpu-v5p",
+                       memory_budget=free.stats.predicted_memory_bytes / 2)
+  compiled = tapas.verify(first, *args, topology="v5p:2x2x1", donate_argnums=0)
+  predicted = first.stats.predicted_memory_bytes
+  assert predicted < compiled.live_peak_bytes  # the model under-predicts this plan
+  budget = (predicted + compiled.live_peak_bytes) / 2
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=budget,
+                      verify="v5p:2x2x1")
+  rounds = plan.compiled.rounds
+  assert len(rounds) >= 2 and rounds[0][0] == budget
+  assert rounds[0][1] <= budget < rounds[0][2]  # predicted to fit, the compiler refused
+  assert rounds[-1][2] <= budget and plan.compiled.fits
+  assert plan.compiled.fit_bytes == plan.compiled.live_peak_bytes == rounds[-1][2]
+  assert plan.stats.predicted_memory_bytes == rounds[-1][1] <= rounds[-1][0] < budget
+
+
 def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: float = math.inf):
   """A stand-in for the TPU compile: the predicted peak plus a fixed `overhead`, as the
   TPU compiler's tile padding adds at tiny widths; refused (RESOURCE_EXHAUSTED) over

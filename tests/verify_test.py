@@ -156,10 +156,10 @@ def test_a_topology_of_another_size_is_refused(libtpu):
 
 
 def test_search_verify_returns_a_plan_the_compiler_fits_in_the_budget(libtpu, tmp_path):
-  # With the TPU compiler's tiles in the model and its live peak as the judge, the tiny
-  # zoo's plans are predicted at or over what the compiler holds, so the first plan
-  # compiles within the budget here; searching again on a refusal is pinned with a
-  # stand-in compiler below (the loop's own tests).
+  # With the TPU compiler's tiles in the model and its live peak as the judge, this
+  # plan is predicted over what the compiler holds, so the first plan compiles within
+  # the budget here; searching again on a refusal is the next test (the real compiler)
+  # and the stand-in compiler's tests below.
   m = models.get_model("gpt", "tiny")
   mesh = {"data": 2, "model": 2}
   args = (m.train_step(), m.abstract_state(), m.batch_spec(64))

@@ -156,10 +156,10 @@ def test_a_topology_of_another_size_is_refused(libtpu):
 
 
 def test_search_verify_returns_a_plan_the_compiler_fits_in_the_budget(libtpu, tmp_path):
-  # With the TPU compiler's tiles in the model and its live peak as the judge, the tiny
-  # zoo's plans are predicted at or over what the compiler holds, so the first plan
-  # compiles within the budget here; searching again on a refusal is pinned with a
-  # stand-in compiler below (the loop's own tests).
+  # With the TPU compiler's tiles in the model and its live peak as the judge, this
+  # plan is predicted over what the compiler holds, so the first plan compiles within
+  # the budget here; searching again on a refusal is the next test (the real compiler)
+  # and the stand-in compiler's tests below.
   m = models.get_model("gpt", "tiny")
   mesh = {"data": 2, "model": 2}
   args = (m.train_step(), m.abstract_state(), m.batch_spec(64))
@@ -180,6 +180,31 @@ def test_search_verify_returns_a_plan_the_compiler_fits_in_the_budget(libtpu, tm
   plan.save(path)
   assert tapas.Plan.load(path).compiled == plan.compiled
   assert "compiled for v5p:2x2x1: fits" in plan.summary()
+
+
+def test_search_verify_searches_again_when_the_compiler_rejects_the_first_plan(libtpu):
+  # A budgeted ViT plan the model predicts under the compiler's live peak (0.96 on
+  # libtpu 0.0.42): a budget between its prediction and its live peak is one the model
+  # says it fits and the compiler refuses, so the loop must lower the budget and search
+  # again until the compiler fits the plan.
+  m = models.get_model("vit", "tiny")
+  mesh = {"data": 2, "model": 2}
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  free = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
+  first = tapas.search(*args, mesh=mesh, device="tpu-v5p",
+                       memory_budget=free.stats.predicted_memory_bytes / 2)
+  compiled = tapas.verify(first, *args, topology="v5p:2x2x1", donate_argnums=0)
+  predicted = first.stats.predicted_memory_bytes
+  assert predicted < compiled.live_peak_bytes  # the model under-predicts this plan
+  budget = (predicted + compiled.live_peak_bytes) / 2
+  plan = tapas.search(*args, mesh=mesh, device="tpu-v5p", memory_budget=budget,
+                      verify="v5p:2x2x1")
+  rounds = plan.compiled.rounds
+  assert len(rounds) >= 2 and rounds[0][0] == budget
+  assert rounds[0][1] <= budget < rounds[0][2]  # predicted to fit, the compiler refused
+  assert rounds[-1][2] <= budget and plan.compiled.fits
+  assert plan.compiled.fit_bytes == plan.compiled.live_peak_bytes == rounds[-1][2]
+  assert plan.stats.predicted_memory_bytes == rounds[-1][1] <= rounds[-1][0] < budget
 
 
 def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: float = math.inf):

@@ -191,20 +191,27 @@ def _constraints(problem: Problem, choice: Choice,
       out += [Constraint(site=reader.site, slot=k, spec=made)
               for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
               if x == v]
+  # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have).
+  pair: dict[tuple, tuple[PartitionSpec, PartitionSpec]] = {}
+
+  def read_as(rep, k, y, x):
+    key = (rep, k, problem.cv(x), len(g.types[x].shape))
+    if key not in pair:
+      pair[key] = (spec(read_dims(rep, y)),
+                   spec([problem.value_class.get((key[2], d)) for d in range(key[3])]))
+    return pair[key]
+
   for op in top:
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
     for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      classes = read_dims(rep, y)
-      if classes is None or x in g.literals:
+      if x in g.literals or read_dims(rep, y) is None:
         continue
-      want = spec(classes)
       if x in fixed:
-        have = PartitionSpec(*fixed[x].to_partition_spec())
+        want, have = spec(read_dims(rep, y)), PartitionSpec(*fixed[x].to_partition_spec())
       else:
-        have = spec([problem.value_class.get((problem.cv(x), d))
-                     for d in range(len(g.types[x].shape))])
+        want, have = read_as(rep, k, y, x)
       if want == have:  # read as it is: nothing for XLA to be told
         continue
       if x not in fixed and not _from_partial_sums(problem, choice, x):

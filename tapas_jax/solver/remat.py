@@ -140,14 +140,14 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
   if policy not in POLICIES:
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
   mine = set(ops)
-  forward = {i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])
-             and not _saved(graph.ops[i], policy, graph)}
+  # Each op's side read once (a name-stack scan per op; the passes below reuse them).
+  primal = [i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])]
+  backward = [b for b in ops if is_backward(graph.ops[b])]
+  forward = {i for i in primal if not _saved(graph.ops[i], policy, graph)}
   producer = graph.producer
   reads, recompute, stack = [], set(), []
-  for b in ops:
+  for b in backward:
     op = graph.ops[b]
-    if not is_backward(op):
-      continue
     for k, v in enumerate(op.inputs):
       p = producer.get(v)
       if p in forward and v not in graph.literals:
@@ -165,10 +165,9 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
   if not reads:
     return None
   inputs = graph.input_path
-  read_forward = {v for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])
-                  for v in graph.ops[i].inputs if v in inputs}
+  read_forward = {v for i in primal for v in graph.ops[i].inputs if v in inputs}
   read_again = {v for p in recompute for v in graph.ops[p].inputs if v in inputs}
-  param_reads = [(b, k) for b in ops if is_backward(graph.ops[b])
+  param_reads = [(b, k) for b in backward
                  for k, v in enumerate(graph.ops[b].inputs) if v in read_forward]
   read_again.update(graph.ops[b].inputs[k] for b, k in param_reads)
   params = tuple(sorted(read_forward & read_again))

@@ -82,6 +82,12 @@ def compiled_row(name, plan, figures, compile_s):
   f, s = figures, plan.stats
   kinds = ", ".join(f"{k} {v / GiB:.2f}" for k, v in f.comm_bytes if k != "total" and v)
   sent = dict(f.comm_bytes).get("total", 0.0)
+  if f.error:  # refused: the figure is what its RESOURCE_EXHAUSTED message states
+    print(f"  {name:<16} refused by the compiler on {f.target}: needs "
+          f"{f.fit_bytes / GiB:.2f} GiB of {f.hbm_bytes / GiB:.2f}; predicted / needed "
+          f"{s.predicted_memory_bytes / max(f.fit_bytes, 1):.2f}; {compile_s:.0f} s\n"
+          f"    compiler: {f.error[:300]}", flush=True)
+    return s.predicted_step_s, False
   print(f"  {name:<16} compiled on {f.target}: {f.peak_bytes / GiB:.2f} GiB "
         f"(args {f.argument_bytes / GiB:.2f} + temp {f.temp_bytes / GiB:.2f} + out "
         f"{f.output_bytes / GiB:.2f} - alias {f.alias_bytes / GiB:.2f}), live peak "
@@ -117,6 +123,37 @@ def remat_note(plan):
   return "remat " + ",".join(sorted({p for _, p in plan.remat})) if plan.remat else "no remat"
 
 
+def our_rows(args, mesh, device, batch_axes, topology, budget, compiled):
+  """Prints our plan's row (judged by the compiler under `topology`) and, uncompiled, the
+  same search without sequence parallelism; returns (predicted step s, fits) or None."""
+  start = time.perf_counter()
+  try:
+    ours = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
+                  verify=topology)
+    took = time.perf_counter() - start
+    best = row("tapas", ours, budget, f"{remat_note(ours)}; search {took:.1f} s "
+               "end to end" + (" (compiles included)" if topology else ""))
+    if topology:
+      for budget_bytes, predicted, peak in ours.compiled.rounds:
+        print(f"    verify round: budget {budget_bytes / GiB:.2f} GiB, predicted "
+              f"{predicted / GiB:.2f}, compiled {peak / GiB:.2f}")
+      best = compiled_row("tapas", ours, ours.compiled, took)
+  except InfeasibleBudgetError as e:
+    print(f"  tapas: no plan fits ({time.perf_counter() - start:.1f} s): "
+          f"{str(e)[:400]}", flush=True)
+    best = None
+  start = time.perf_counter()
+  try:  # the same search without sequence parallelism, to show what it adds
+    if not compiled:
+      plain = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
+                     sequence_parallel=False)
+      row("tapas, no SP", plain, budget, f"{remat_note(plain)}; search "
+          f"{time.perf_counter() - start:.1f} s")
+  except InfeasibleBudgetError:
+    print("  tapas, no SP: no plan fits", flush=True)
+  return best
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="llama3-8b,llama3-70b")
@@ -133,6 +170,9 @@ def main():
                       help="expert layouts printed beside ours")
   parser.add_argument("--compile", action="store_true",
                       help="judge each TPU row by the TPU compiler too (libtpu)")
+  parser.add_argument("--no_search", action="store_true",
+                      help="the expert layouts only: no search, and (with --compile) one "
+                      "real-scale compile per layout")
   a = parser.parse_args()
   batch_axes = None if a.batch_axes is None else tuple(a.batch_axes.split(","))
   for size in a.models.split(","):
@@ -158,31 +198,8 @@ def main():
               f"({profile.hbm_bytes / 2**30:.1f} GiB HBM, budget {budget / 2**30:.1f} GiB)")
         print(f"  {'layout':<16} {'step ms':>11} {'sent GiB':>10} {'memory GiB':>12} "
               f"{'fits':>5}")
-        start = time.perf_counter()
-        try:
-          ours = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
-                        verify=topology)
-          took = time.perf_counter() - start
-          best = row("tapas", ours, budget, f"{remat_note(ours)}; search {took:.1f} s "
-                     "end to end" + (" (compiles included)" if topology else ""))
-          if topology:
-            for budget_bytes, predicted, peak in ours.compiled.rounds:
-              print(f"    verify round: budget {budget_bytes / GiB:.2f} GiB, predicted "
-                    f"{predicted / GiB:.2f}, compiled {peak / GiB:.2f}")
-            best = compiled_row("tapas", ours, ours.compiled, took)
-        except InfeasibleBudgetError as e:
-          print(f"  tapas: no plan fits ({time.perf_counter() - start:.1f} s): "
-                f"{str(e)[:400]}", flush=True)
-          best = None
-        start = time.perf_counter()
-        try:  # the same search without sequence parallelism, to show what it adds
-          if not a.compile:
-            plain = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
-                           sequence_parallel=False)
-            row("tapas, no SP", plain, budget, f"{remat_note(plain)}; search "
-                f"{time.perf_counter() - start:.1f} s")
-        except InfeasibleBudgetError:
-          print("  tapas, no SP: no plan fits", flush=True)
+        best = None if a.no_search else our_rows(args, mesh, device, batch_axes, topology,
+                                                 budget, a.compile)
         others = []
         for name in a.layouts.split(",") if a.layouts else ():
           plan = tuned(name, args, mesh, device, budget)

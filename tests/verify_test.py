@@ -125,6 +125,19 @@ def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):
   assert record.argument_bytes == 0 and record.flops == 0 and record.comm_bytes == {}
 
 
+def test_a_refused_programs_figure_is_its_whole_need_arguments_and_outputs_too(libtpu):
+  mesh = verifylib.tpu_mesh("v5e:2x2", {"data": 4})
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = S((40000, 40000), jnp.float32, sharding=whole)  # 5.96 GiB on every device
+  with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
+    jax.jit(lambda x, y: x + y).lower(x, x).compile()  # no temporaries
+  need, have = verifylib.parse_out_of_memory(str(refused.value))
+  # The message says "HLO temporaries", yet its figure holds the two arguments and the
+  # output: what the real-scale table compares a refused layout's prediction with.
+  assert need == pytest.approx(3 * 40000**2 * 4, rel=0.01)
+  assert have == pytest.approx(15.75 * 2**30)
+
+
 def _record(device_kind, *, temp, live, hbm=100):
   return verifylib.Verified(
       plan_name="p", target="t", device_kind=device_kind, num_devices=1, argument_bytes=10,

@@ -106,6 +106,36 @@ class TableBuilder:
     v = self.p.cv(v)
     if v in self._partial:
       return self._partial[v]
+    # What v's sum reads first, deepest first: an unrolled stack's residual stream
+    # chains hundreds of sums, past Python's recursion limit (32-layer LLaMA-3-8B).
+    stack, opened = [(v, False)], set()
+    while stack:
+      u, inputs_known = stack.pop()
+      if u in self._partial:
+        continue
+      if inputs_known:
+        self._partial_of(u)
+        continue
+      opened.add(u)
+      stack.append((u, True))
+      stack += [(x, False) for x in self._summed_inputs(u)
+                if x not in self._partial and x not in opened]
+    return self._partial[v]
+
+  def _summed_inputs(self, v: int) -> list[int]:
+    """The values `_summed_partial` reads for canonical v (none where v is not summed)."""
+    if v in self._partial or v not in self.producer:
+      return []
+    op, g = self.p.graph.ops[self.producer[v]], self.p.graph
+    facts = ruleslib.facts(op.primitive)
+    if not self.p.profile.reassociates_all_reduces or not (facts.sums or facts.moves):
+      return []
+    return [self.p.cv(x) for x in op.inputs if x not in g.literals and g.types[x].shape]
+
+  def _partial_of(self, v: int):
+    """`partial_expr` of canonical v, what it reads already known."""
+    if v in self._partial:
+      return self._partial[v]
     expr = None
     if v in self.producer:
       op = self.p.graph.ops[self.producer[v]]

@@ -624,3 +624,32 @@ def test_layout_choice_names_what_is_not_an_input():
 def test_an_unknown_stop_keeps_the_solver_s_message():
   assert solver.Status.of("time_limit") is solver.Status.TIME_LIMIT
   assert solver.Status.of("Unbounded.") == "Unbounded."
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_deep_stack_reads_partial_sums_as_the_unfolded_program_does(family):
+  # On the TPU profiles a sum of partial values stays partial (the compiler reduces
+  # once after the add), so whether a value is partial follows the residual stream
+  # back through every layer. Folded, a layer's input stands for its own output: read
+  # through the values standing for them, the walk went round that cycle without end
+  # (RecursionError on any zoo model of 4 layers or more under a TPU profile).
+  m = models.get_model(family, "tiny", num_layers=6)
+  graph = tapas.trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(8))
+  profile = cost.get_profile("tpu-v5p")
+  assert profile.reassociates_all_reduces
+  mesh = cost.mesh_spec({"data": 2, "model": 4}, profile, None)
+  builders = {}
+  for fold, view in ((True, solver.folded_view(tapas.fold.fold(graph))),
+                     (False, solver.unfolded_view(graph))):
+    problem = solver.build_problem(graph, mesh, profile, None, view=view)
+    builders[fold] = TableBuilder(problem, reuse=True)
+  values = [v for op in graph.region_ops(0) for v in op.outputs if graph.types[v].shape]
+  partial = [v for v in values if builders[False].partial_expr(v) is not None]
+  assert len(partial) > 6 * 2, "the stream's sums stay partial in every layer"
+  # A copy reads as its representative; each value's own walk (the program's values,
+  # not the ones standing for them) is the unfolded program's.
+  assert [builders[True]._walk(v) is None for v in values] == [
+      builders[False].partial_expr(v) is None for v in values]
+  plan = tapas.search(m.train_step(), m.abstract_state(), m.batch_spec(8),
+                      mesh={"data": 2, "model": 4}, device="tpu-v5p")
+  assert plan.stats.predicted_memory_bytes > 0

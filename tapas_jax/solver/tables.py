@@ -82,6 +82,7 @@ class TableBuilder:
     g = problem.graph
     self.ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
     self.producer = {v: op.index for op in self.ops for v in op.outputs}
+    self._searched = {op.index for op in self.ops}
     self.users: dict[int, list[int]] = {}
     for op in self.ops:
       for v in op.inputs:
@@ -102,12 +103,19 @@ class TableBuilder:
 
   def partial_expr(self, v: int):
     """("r", classes): value v holds partial sums over those classes' mesh axes (its
-    producer reduced over them); None: never partial."""
-    v = self.p.cv(v)
+    producer reduced over them); None: never partial. A copy's value reads as the
+    value standing for it does."""
+    return self._walk(self.p.cv(v))
+
+  def _walk(self, v: int):
+    """`partial_expr` of the program's value v itself."""
     if v in self._partial:
       return self._partial[v]
     # What v's sum reads first, deepest first: an unrolled stack's residual stream
     # chains hundreds of sums, past Python's recursion limit (32-layer LLaMA-3-8B).
+    # The walk follows the program's own values, not the ones standing for them: in
+    # the folded view a layer's input stands for its own output (the previous copy's
+    # stands for it), a cycle where the stream really starts at the first copy.
     stack, opened = [(v, False)], set()
     while stack:
       u, inputs_known = stack.pop()
@@ -122,25 +130,40 @@ class TableBuilder:
                 if x not in self._partial and x not in opened]
     return self._partial[v]
 
+  def _made_by(self, v: int) -> tuple[Op, int] | None:
+    """(the op making value v, the searched op standing for it), or None where no
+    searched op makes it (an input, a loop's output)."""
+    if v in self.producer:
+      p = self.producer[v]
+      return self.p.graph.ops[p], p
+    p = self.p.graph.producer.get(v)
+    rep = self.p.view.op_canon.get(p)
+    if rep is None or rep not in self._searched:
+      return None
+    return self.p.graph.ops[p], rep
+
   def _summed_inputs(self, v: int) -> list[int]:
-    """The values `_summed_partial` reads for canonical v (none where v is not summed)."""
-    if v in self._partial or v not in self.producer:
+    """The values `_summed_partial` reads for v (none where v is not summed)."""
+    made = None if v in self._partial else self._made_by(v)
+    if made is None:
       return []
-    op, g = self.p.graph.ops[self.producer[v]], self.p.graph
+    op, g = made[0], self.p.graph
     facts = ruleslib.facts(op.primitive)
     if not self.p.profile.reassociates_all_reduces or not (facts.sums or facts.moves):
       return []
-    return [self.p.cv(x) for x in op.inputs if x not in g.literals and g.types[x].shape]
+    return [x for x in op.inputs if x not in g.literals and g.types[x].shape]
 
   def _partial_of(self, v: int):
-    """`partial_expr` of canonical v, what it reads already known."""
+    """`partial_expr` of v, what it reads already known."""
     if v in self._partial:
       return self._partial[v]
     expr = None
-    if v in self.producer:
-      op = self.p.graph.ops[self.producer[v]]
-      rule = self.p.rules[op.index]
-      classes = tuple(sorted({c for f in rule.reduce if (c := self._factor_class(op, f)) >= 0
+    made = self._made_by(v)
+    if made is not None:
+      op, rep = made
+      rule = self.p.rules[rep]
+      classes = tuple(sorted({c for f in rule.reduce
+                              if (c := self.p.factor_class[rep][f]) >= 0
                               and self.p.classes[c].splittable}))
       expr = ("r", classes) if classes else self._summed_partial(op)
     self._partial[v] = expr
@@ -157,7 +180,7 @@ class TableBuilder:
       return None
     g = self.p.graph
     arrays = [x for x in op.inputs if x not in g.literals and g.types[x].shape]
-    exprs = [self.partial_expr(x) for x in arrays]
+    exprs = [self._walk(x) for x in arrays]
     wrong = len(arrays) != 1 if facts.moves else len(arrays) < 2
     if wrong or any(e is None for e in exprs):
       return None

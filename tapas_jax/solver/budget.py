@@ -21,8 +21,8 @@ import numpy as np
 
 from tapas_jax.errors import TapasError
 from tapas_jax.options import format_bytes
-from tapas_jax.solver.memory import (Activations, activation_tables, largest_live,
-                                     memory_used)
+from tapas_jax.solver.live import Activations
+from tapas_jax.solver.memory import activation_tables, largest_live, memory_used
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Status
 from tapas_jax.solver.tables import Table, evaluate_tables

@@ -32,7 +32,7 @@ Approximations (stated, not hidden):
   model, though the recomputation reads them;
 - without a budget remat only costs time, so it is chosen only under a budget;
 - the originals' new last reader is the last reader left, without the reach a value
-  gets from fused readers (`memory.activations`); a recomputed value the activation
+  gets from fused readers (`live.activations`); a recomputed value the activation
   model treats as fused (never written out) gains nothing and costs no copy.
 
 Example:
@@ -63,7 +63,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
-from tapas_jax.solver.memory import Activations, loop_body_values
+from tapas_jax.solver.live import Activations, loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region
@@ -365,7 +365,7 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   residuals are never written (their entries take no bytes), a carry the recomputation
   reads is written out stacked from the forward loop to the backward one, and one
   iteration's recomputed values are live with the backward's body (counted as
-  `memory.loop_body_values` counts a body: together, at the loop's position)."""
+  `live.loop_body_values` counts a body: together, at the loop's position)."""
   g = problem.graph
   pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
   nbytes = acts.nbytes.copy()

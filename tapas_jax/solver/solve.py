@@ -44,7 +44,8 @@ from tapas_jax.solver.ilp import solve_ilp
 from tapas_jax.solver import remat as rematlib
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.layouts import LayoutChoice
-from tapas_jax.solver.memory import Activations, activation_peak, activations, memory_tables
+from tapas_jax.solver.live import Activations, activations
+from tapas_jax.solver.memory import activation_peak, memory_tables
 from tapas_jax.solver.plan_terms import plan_terms
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Solution, Status
@@ -301,7 +302,7 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
 
 
 def cached_activations(problem: Problem, cache: dict | None) -> Activations:
-  """`memory.activations(problem)`, kept in `cache` (a search's table cache) for every
+  """`live.activations(problem)`, kept in `cache` (a search's table cache) for every
   problem over the same program, view, classes and profile: they read neither the
   domains (a baseline's wider batch, `problem.with_batch_axes`) nor fixed input
   layouts, so the search and its baselines share one."""

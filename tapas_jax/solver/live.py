@@ -1,0 +1,659 @@
+"""Live ranges: every intermediate of the top-level program, as the compiler keeps it.
+
+`activations(problem)` lists each value written out (and each copy the compiler makes
+of one: gathered parameters, reduced gradients, values read through a cut, donated
+inputs copied before their update) with the program positions it is live between and
+the classes of its dims, as an `Activations` record that `memory` prices under a plan.
+It is built once per search in named steps over one `_Program` record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from tapas_jax import _jax_internals as jx
+from tapas_jax import cost as costlib
+from tapas_jax import rules as ruleslib
+from tapas_jax.solver.fusion import fused_values, live_ops, top_level
+from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.views import scan_region
+
+__all__ = ["Activations", "activations", "loop_body_values"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+  """Every top-level intermediate value: live range and the class of each dim.
+
+  Attributes:
+    start: program position of the op writing it (of its first reader, for a
+      parameter's gathered copy).
+    stop: position of its last reader (the program's end for an output).
+    nbytes: bytes of the whole value.
+    dims: class of each dim as it is made (None: made whole).
+    length: number of top-level ops.
+    values: the value id of each entry.
+    stored: for a parameter's gathered copy, or an activation's copy read through a
+      cut, the classes it is stored (made) over (the copy takes no memory where the
+      two layouts agree); None for other entries.
+    unless: per entry, classes any of which split makes the entry vanish (a donated
+      input's copy, gone once gradients are all-reduced); entries past its end (added
+      by a later stage) have none.
+    only: per entry, classes one of which must be split for the entry to take memory
+      (a gradient's partial sums beside their reduced copy as the reduction runs:
+      no reduction where none is split); () for none, as for entries past its end.
+  """
+
+  start: np.ndarray
+  stop: np.ndarray
+  nbytes: np.ndarray
+  dims: tuple[tuple[int | None, ...], ...]
+  length: int
+  values: tuple[int, ...] = ()
+  stored: tuple[tuple[int, ...] | None, ...] = ()
+  unless: tuple[tuple[int, ...], ...] = ()
+  only: tuple[tuple[int, ...], ...] = ()
+
+  def unless_of(self, k: int) -> tuple[int, ...]:
+    return self.unless[k] if k < len(self.unless) else ()
+
+  def only_of(self, k: int) -> tuple[int, ...]:
+    return self.only[k] if k < len(self.only) else ()
+
+  @functools.cached_property
+  def kinds(self) -> tuple[tuple[tuple, ...], np.ndarray]:
+    """(distinct (dims, stored, unless, only) among the entries, each entry's index
+    in them): entries alike take the same share of their bytes under any plan."""
+    stored = self.stored or (None,) * len(self.dims)
+    seen: dict[tuple, int] = {}
+    index = [seen.setdefault((d, s, self.unless_of(k), self.only_of(k)), len(seen))
+             for k, (d, s) in enumerate(zip(self.dims, stored))]
+    return tuple(seen), np.array(index, int)
+
+
+def activations(problem: Problem, cache: dict | None = None) -> Activations:
+  """The intermediates of the top-level program, as XLA keeps them.
+
+  `cache` (a search's table cache) shares the program's fusion with the cost tables
+  (`fusion.top_level`).
+
+  * Values no output depends on are dropped (dead code).
+  * A program output lives to the end, except the next value of carried state: the
+    step runs with the state donated, so it is written into its input's buffer (the
+    input is counted among the inputs), whatever reads it (a new moment read by the
+    parameter's update is read from there).
+  * A gradient (what the update reads, traced back through the elementwise ops XLA
+    fuses into the update: one per dot or scatter making it, however many moments read
+    it) that a split leaves partial sums is reduced in one reduction combined with
+    the others made next to it, up to `DeviceProfile.combine_threshold_bytes` (XLA's
+    all-reduce combiner), once the last of them is made: it is
+    kept as made until then, both it and its reduced copy (in the layout the update
+    reads: a reduce-scatter's slice under ZeRO) are live as the reduction runs, and the
+    reduced copy lives to the update. A gradient nothing reduces is used where it is
+    made (XLA runs its update then, in place).
+  * A parameter stored apart from its use (ZeRO) is gathered once into its compute
+    layout (`apply` pins one copy per value) and that copy lives from its first
+    compute reader to its last.
+  * A donated input read by an op its next value does not depend on (the backward
+    pass's `dy @ W.T` does not feed W's own update) is copied whole by XLA's copy
+    insertion before anything is written in place, and the copy lives until the update
+    (`_donated_copies`).
+  * Each dim is split as its producer makes it: over its class's axes, or whole where
+    the producer's rule keeps it whole.
+  * While a counted loop (scan) runs, what its body writes out in one iteration is
+    live at the loop's position too (`loop_body_values`).
+  * The compiler's own layout choices, per `DeviceProfile`: without a reduce-scatter
+    pass the reduced copy is the whole all-reduced value (`reduce_scatter`); a
+    convolution run only in canonical order reads other operands through transposed
+    copies made as the operand is made (`canonical_convolutions`); a value read by
+    several ops, one leading into a reduction, is written out where reductions do
+    not recompute their operands (`reductions_duplicate`); the TPU compiler reads
+    elementwise chains inside its dots and recomputes exp in each reader, so a
+    norm's output and the logits' cotangent are never written, and their inputs live
+    on to the last dot reading them (`dot_operand_fusion`).
+
+  Built in named steps over one `_Program` record, each adding its kind of entry in
+  program order (the order is part of the result: ties in `largest_live`, and which
+  entry stands for a value as written).
+  """
+  prog = _program(problem, cache)
+  update = _UpdateReads.of(problem, prog)
+  conv = _conv_copies(problem, prog)
+  entries = _Entries()
+  own = _add_made(entries, problem, prog, update, conv,
+                  _last_readers(prog, update, conv))
+  _hand_over_in_place(prog, entries)
+  _add_reductions(entries, problem, prog, update.gradients, own)
+  _add_loop_bodies(entries, problem, prog)
+  _add_gathered_inputs(entries, problem, prog)
+  _add_donated_copies(entries, problem, prog)
+  return entries.activations(problem, len(prog.top))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The top-level program as `activations` reads it: computed once, read by each step.
+
+  Attributes:
+    graph: the traced program.
+    top: its top-level ops, in program order.
+    pos: op index -> position in `top`.
+    live: top-level ops some output depends on.
+    fused: values XLA never writes out (recomputed in their readers).
+    outputs: the program's outputs; carried: the next values of carried state.
+    update: top-level ops of the state update (by the op standing for them).
+  """
+
+  graph: Any
+  top: tuple
+  pos: Mapping[int, int]
+  live: frozenset[int] | set[int]
+  fused: frozenset[int] | set[int]
+  outputs: frozenset[int]
+  carried: frozenset[int]
+  update: frozenset[int]
+
+  @property
+  def end(self) -> int:
+    return len(self.top) - 1
+
+
+def _program(problem: Problem, cache: dict | None) -> _Program:
+  g = problem.graph
+  top = tuple(g.region_ops(0))
+  pos = {op.index: j for j, op in enumerate(top)}
+  live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
+                          dot_operands=problem.profile.dot_operand_fusion)
+  canon = problem.view.op_canon
+  return _Program(graph=g, top=top, pos=pos, live=live, fused=fused,
+                  outputs=frozenset(g.outputs),
+                  carried=frozenset(g.outputs[k] for k, _ in g.carried),
+                  update=frozenset(i for i in pos if canon.get(i, i) in problem.update_ops))
+
+
+@dataclasses.dataclass(frozen=True)
+class _UpdateReads:
+  """What the state update reads of the rest of the program.
+
+  Attributes:
+    delivered: value -> (classes the update reads it in, position of its last update
+      reader).
+    feeding: ops that only lead to delivered values through fused values (the
+      moments' `g ** 2`, `(1 - b) * g`): they fuse into the update, after the
+      gradient's reduction, whatever the program order, and write nothing of their own.
+    gradients: the gradients as XLA reduces them: the values a delivered value is
+      computed from through feeding ops (a tied weight's two gradients, each reduced on
+      its own; one gradient however many moments read it) -> (delivered classes, last
+      update reader).
+  """
+
+  delivered: Mapping[int, tuple[tuple[int, ...], int]]
+  feeding: frozenset[int] | set[int]
+  gradients: Mapping[int, tuple[tuple[int, ...], int]]
+
+  @classmethod
+  def of(cls, problem: Problem, prog: _Program) -> _UpdateReads:
+    delivered = _delivered(problem, prog)
+    feeding = _feeding(prog, delivered)
+    return cls(delivered, feeding, _gradients(prog, delivered, feeding))
+
+
+def _delivered(problem: Problem, prog: _Program) -> dict[int, tuple[tuple[int, ...], int]]:
+  g, pos, live, update = prog.graph, prog.pos, prog.live, prog.update
+  vcanon = problem.view.canon
+  delivered = {}
+  by_update = {v for v, side in problem.reader_dims if side is True}
+  for op in prog.top:
+    for w in op.outputs if op.index in live else ():
+      if vcanon.get(w, w) not in by_update or w in prog.outputs:
+        continue
+      updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and c in update]
+      if updates:
+        delivered[w] = (tuple(problem.reader_dims[(vcanon.get(w, w), True)]), max(updates))
+  return delivered
+
+
+def _feeding(prog: _Program, delivered) -> set[int]:
+  feeding: set[int] = set()
+  consumers, live, fused = prog.graph.consumers, prog.live, prog.fused
+  for op in reversed(prog.top):
+    if op.index in live and op.outputs and op.index not in prog.update and all(
+        w in delivered or (w in fused and all(c in feeding or c not in live
+                                              for c in consumers.get(w, ())))
+        for w in op.outputs):
+      feeding.add(op.index)
+  return feeding
+
+
+def _gradients(prog: _Program, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
+  g, pos = prog.graph, prog.pos
+  gradients: dict[int, tuple[tuple[int, ...], int]] = {}
+  for w, (read, last) in delivered.items():
+    todo, seen = [w], set()
+    while todo:
+      x = todo.pop()
+      p = g.producer.get(x)
+      if x in seen or p not in pos or not g.types[x].shape or p in prog.update:
+        continue  # an input (a moment scaled in the update), a literal, a scalar, or
+        # made by the update itself
+      seen.add(x)
+      if p in feeding:
+        todo.extend(g.ops[p].inputs)
+      else:
+        dims0, last0 = gradients.get(x, (read, last))
+        gradients[x] = (dims0, max(last0, last))
+  return gradients
+
+
+def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]]:
+  """Convolutions XLA runs only in canonical order read their other operands through
+  transposed copies: conv op -> {operand or result: classes}."""
+  if not problem.profile.canonical_convolutions:
+    return {}
+  return {op.index: _transposed_for_conv(problem, op) for op in prog.top
+          if op.index in prog.live and op.primitive == "conv_general_dilated"}
+
+
+def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
+  """value -> position of its last reader. A fused value is recomputed where it is
+  read: what it is made of stays live until then. Readers come after producers, so
+  walk backwards."""
+  reach: dict[int, int] = {}
+  for j in range(prog.end, -1, -1):
+    op = prog.top[j]
+    if op.index not in prog.live or op.index in update.feeding:
+      continue
+    transposed = conv.get(op.index, {})
+    here = j
+    for w in op.outputs:
+      if w in prog.fused:
+        here = max(here, reach.get(w, j))
+    updating = op.index in prog.update
+    for v in op.inputs:
+      if updating and v in update.delivered:
+        continue  # the update reads the delivered copy
+      if v in transposed:
+        continue  # the conv reads its transposed copy
+      if reach.get(v, -1) < here:
+        reach[v] = here
+  return reach
+
+
+class _Entries:
+  """The entries of an `Activations` as the steps add them: one `add` per entry, so
+  every field stays one per entry."""
+
+  def __init__(self):
+    self.start: list[int] = []
+    self.stop: list[int] = []
+    self.nbytes: list[float] = []
+    self.values: list[int] = []
+    self.dims: list[tuple] = []
+    self.stored: list[tuple | None] = []
+    self.unless: list[tuple[int, ...]] = []
+    self.only: list[tuple[int, ...]] = []
+
+  def add(self, start: int, stop: int, nbytes: float, value: int, dims, *,
+          stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = ()) -> int:
+    """Adds one entry; returns its index."""
+    self.start.append(start)
+    self.stop.append(stop)
+    self.nbytes.append(nbytes)
+    self.values.append(value)
+    self.dims.append(tuple(dims))
+    self.stored.append(stored)
+    self.unless.append(unless)
+    self.only.append(only)
+    return len(self.start) - 1
+
+  def activations(self, problem: Problem, length: int) -> Activations:
+    return Activations(np.array(self.start, int), np.array(self.stop, int),
+                       _as_stored(problem, self.nbytes, self.values), tuple(self.dims),
+                       length, tuple(self.values), tuple(self.stored),
+                       tuple(self.unless), tuple(self.only))
+
+
+def _add_made(entries: _Entries, problem: Problem, prog: _Program, update: _UpdateReads,
+              conv, reach: Mapping[int, int]) -> dict[int, int]:
+  """Adds every value as its op makes it (and the copies read through a cut or
+  transposed for a convolution, next to it); returns value -> its entry as made."""
+  g, canon, vcanon = prog.graph, problem.view.op_canon, problem.view.canon
+  own: dict[int, int] = {}
+  sided = {r for r, _ in problem.read_sides}  # ops reading through an activation cut
+  # Copies of a layer make their values in their representative's classes: one
+  # `_made` per (representative op, output slot, value in the view, rank).
+  made_of: dict[tuple, tuple[int | None, ...] | None] = {}
+  free = problem.free_values
+  for j, op in enumerate(prog.top):
+    if op.index not in prog.live:
+      continue
+    rep_op = canon.get(op.index, op.index)
+    for slot, v in enumerate(op.outputs):
+      t = g.types[v]
+      if not t.shape:
+        continue
+      cv = vcanon.get(v, v)
+      key = (rep_op, slot, cv, len(t.shape), bool(op.subregions))
+      made = made_of[key] if key in made_of else made_of.setdefault(
+          key, _made(problem, op, v))
+      if made is None:
+        continue
+      whole = not (v in prog.fused or v in prog.carried)
+      if cv in free and v not in prog.outputs:
+        whole = False  # a constant (a causal mask): XLA builds it inside its readers
+      if whole:  # else never written out, or written in place into the donated input
+        stop = (prog.end if v in prog.outputs and v not in prog.carried
+                else reach.get(v, j))
+        own[v] = entries.add(j, stop, t.nbytes, v, made)
+        if sided:
+          _add_cut_copies(entries, problem, prog, v, made, sided)
+    for v, classes in conv.get(op.index, {}).items():
+      _add_conv_copy(entries, prog, op, j, v, classes)
+  return own
+
+
+def _add_cut_copies(entries: _Entries, problem: Problem, prog: _Program, v: int, made,
+                    sided) -> None:
+  """Read through a cut (sequence parallelism): each reader on the other side gets a
+  transient copy in its layout (a norm's output gathered into a dot, a dot's result
+  reduce-scattered for the residual add). XLA gathers again rather than keep a
+  gathered copy from the forward pass to the backward (measured on the tiny zoo under
+  sequence-parallel plans: a copy held from its first reader to its last over-counted
+  XLA's peak by ~10%)."""
+  g, canon = prog.graph, problem.view.op_canon
+  for c in g.consumers.get(v, ()):
+    rep = canon.get(c, c)
+    if rep not in sided or c not in prog.live:
+      continue
+    for k, x in enumerate(g.ops[c].inputs):
+      if x != v:
+        continue
+      # Read as the op standing for this one reads its operand (an interior copy
+      # reading the last layer's output reads it as the representative does).
+      y = problem.cv(g.ops[rep].inputs[k])
+      side = problem.read_sides.get((rep, y))
+      if side is None:
+        continue
+      entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v,
+                  problem.reader_dims[(y, side)], stored=made)
+
+
+def _add_conv_copy(entries: _Entries, prog: _Program, op, j: int, v: int, classes) -> None:
+  """XLA:CPU transposes a conv's operand as soon as it is made (the copy, not the
+  value, is what the backward pass's weight-gradient conv keeps), and makes a
+  non-canonical result canonical first, then transposes it."""
+  g, pos = prog.graph, prog.pos
+  made_at = pos.get(g.producer.get(v), None)
+  if made_at is None:  # a program input: copied where it is first read
+    made_at = min(pos[c] for c in g.consumers[v] if c in prog.live)
+  entries.add(made_at if v in op.inputs else j, j, g.types[v].nbytes, v, classes)
+
+
+def _add_reductions(entries: _Entries, problem: Problem, prog: _Program, gradients,
+                    own: Mapping[int, int]) -> None:
+  """Where a split leaves them partial sums, the gradients' reductions are combined, in
+  program order, up to the compiler's combine threshold, each combined reduction run
+  once the last of its gradients is made: each is kept as made until then, its reduced
+  copy from then to the update, and the two live together while the reduction runs.
+  Where none is reduced, XLA updates each parameter as soon as its gradient is made
+  (in place): the gradient lives where it is made only."""
+  if not gradients:
+    return
+  g, pos = prog.graph, prog.pos
+  at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end)
+  for x, (read, last) in gradients.items():
+    p, at = g.producer[x], at_of[x]
+    made, partial = _made(problem, g.ops[p], x), _partial_classes(problem, p)
+    if made is None or not partial:
+      continue
+    first = entries.stop[own[x]] + 1 if x in own else pos[p]
+    # Without a reduce-scatter pass (XLA:CPU) the sums are all-reduced whole, as
+    # made, and sliced where the update reads them.
+    reduced = read if problem.profile.reduce_scatter else made
+    for a, b, classes in ((first, at, made), (at, max(last, at), reduced)):
+      if a <= b:
+        entries.add(a, b, g.types[x].nbytes, x, classes, only=partial)
+
+
+def _add_loop_bodies(entries: _Entries, problem: Problem, prog: _Program) -> None:
+  """What a loop's body writes out in one iteration, live at the loop's position (only
+  a loop, whose representative has a body, writes out values of its body)."""
+  g, canon = prog.graph, problem.view.op_canon
+  for j, op in enumerate(prog.top):
+    if op.index in prog.live and g.ops[canon.get(op.index, op.index)].subregions:
+      for v, made in loop_body_values(problem, op):
+        entries.add(j, j, g.types[v].nbytes, v, made)
+
+
+def _add_gathered_inputs(entries: _Entries, problem: Problem, prog: _Program) -> None:
+  """A parameter used in another layout than it is stored in (ZeRO): its gathered
+  copy, from its first compute reader to its last."""
+  g = prog.graph
+  for i in g.inputs:
+    use = problem.reader_dims.get((problem.cv(i.value), False))
+    readers = sorted(prog.pos[c] for c in g.consumers.get(i.value, ()) if c in prog.live
+                     and problem.view.op_canon.get(c, c) not in problem.update_ops)
+    if use is None or not readers:
+      continue
+    entries.add(readers[0], readers[-1], g.types[i.value].nbytes, i.value, use,
+                stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
+
+
+def _add_donated_copies(entries: _Entries, problem: Problem, prog: _Program) -> None:
+  """A donated input's copy before its update (`_donated_copies`); gone where the
+  batch is split (`unless`)."""
+  g = prog.graph
+  batch = tuple(c.index for c in problem.classes if c.batch)
+  for v, first, last in _donated_copies(prog):
+    entries.add(first, last, g.types[v].nbytes, v,
+                tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))),
+                unless=batch)
+
+
+def _as_stored(problem: Problem, nbytes, values) -> np.ndarray:
+  """Each entry's bytes padded as the compiler stores the whole value (`cost.stored_bytes`;
+  the padding of the unsplit value stands for its shards')."""
+  nbytes = np.array(nbytes, float)
+  if not problem.profile.memory_tile:
+    return nbytes
+  types = problem.graph.types
+  return np.array([b * costlib.stored_bytes(types[v].shape, types[v].itemsize, problem.profile)
+                   / types[v].nbytes if types[v].nbytes else b
+                   for b, v in zip(nbytes, values)], float)
+
+
+def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:
+  """gradient -> program position of the combined reduction that reduces it: in the
+  order they are made, gradients join one reduction until their bytes would pass
+  `threshold` (XLA's all-reduce / reduce-scatter combiners; the whole bytes stand
+  for each device's share), which runs after the last of them is made."""
+  buckets: list[list[int]] = [[]]
+  total = 0.0
+  for x in sorted(gradients, key=lambda x: pos[g.producer[x]]):
+    if buckets[-1] and total + g.types[x].nbytes > threshold:
+      buckets.append([])
+      total = 0.0
+    buckets[-1].append(x)
+    total += g.types[x].nbytes
+  return {x: min(pos[g.producer[bucket[-1]]] + 1, end)
+          for bucket in buckets for x in bucket}
+
+
+def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:
+  """value -> classes of the transposed copies a compiler running only canonical
+  convolutions makes for this one: each operand not laid out (batch, spatial...,
+  feature) / (spatial..., in, out), and the result when it is not (batch,
+  spatial..., feature), which is made canonical and then transposed. The
+  weight-gradient convs of the backward pass read the activations and their
+  gradients in the kernel's and the batch's slots."""
+  g = problem.graph
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  if rule is None:
+    return {}
+  rank = len(g.types[op.inputs[0]].shape)
+  dn = jx.conv_dims(op.raw_params, rank)
+  space = tuple(range(1, rank - 1))
+  canonical = ((0, rank - 1) + space, (rank - 1, rank - 2) + tuple(range(rank - 2)),
+               (0, rank - 1) + space)
+  out = {}
+  for spec, want, v, dims in ((dn.lhs_spec, canonical[0], op.inputs[0], rule.inputs[0]),
+                              (dn.rhs_spec, canonical[1], op.inputs[1], rule.inputs[1]),
+                              (dn.out_spec, canonical[2], op.outputs[0], rule.outputs[0])):
+    if tuple(spec) != want and (problem.cv(v), 0) in problem.value_class:
+      out[v] = tuple(None if f is None else problem.vclass(v, d)
+                     for d, f in enumerate(dims))
+  return out
+
+
+def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:
+  """Classes of v's dims as its producer makes it (None in a dim: made whole); None
+  where v has no classes.
+
+  A loop or branch (an op with sub-regions, no rule of its own) makes each output in
+  its own classes, which the view ties to its body's: a scan's stacked outputs (the
+  residuals its backward pass reads, one slice per iteration) are top-level values
+  like any other."""
+  if (problem.cv(v), 0) not in problem.value_class:
+    return None
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  if rule is None:
+    if not op.subregions:
+      return None
+    return tuple(problem.vclass(v, d) for d in range(len(problem.graph.types[v].shape)))
+  return tuple(None if f is None else problem.vclass(v, d)
+               for d, f in enumerate(rule.outputs[op.outputs.index(v)]))
+
+
+def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
+  """Classes an op reduces over (splittable): splitting one leaves its result partial."""
+  canon = problem.view.op_canon.get(op_index, op_index)
+  rule = problem.rules.get(canon)
+  if rule is None:
+    return ()
+  fclass = problem.factor_class.get(canon, ())
+  return tuple(sorted({fclass[f] for f in rule.reduce
+                       if f < len(fclass) and fclass[f] >= 0
+                       and problem.classes[fclass[f]].splittable}))
+
+
+def _donated_copies(prog: _Program) -> list[tuple[int, int, int]]:
+  """(input, first reader, update) of each donated input XLA copies before its update.
+
+  The next state is written into its input's buffer, so XLA's copy insertion keeps the
+  old value in a copy unless every reader of it is ordered before the update, that is,
+  is an ancestor of the next value in the dataflow. The backward pass's read of a
+  weight (`dy @ W.T`, for the layers below) is not, so without anything joining the
+  two the whole input is copied. Where the batch is split, the gradients' all-reduces
+  are combined into one, which every update waits on and every backward read comes
+  before: no copy (measured on XLA:CPU; `unless` in the entries).
+  """
+  g, top, pos, live = prog.graph, prog.top, prog.pos, prog.live
+  targets = {}  # producer op of a carried next value -> its bit
+  for k, _ in g.carried:
+    p = g.producer.get(g.outputs[k])
+    if p in pos:
+      targets.setdefault(p, len(targets))
+  # Per op, a bitmask of the next values it feeds (itself included): walk backwards.
+  feeds: dict[int, int] = {}
+  consumers = g.consumers
+  for op in reversed(top):
+    if op.index not in live:
+      continue
+    mask = 1 << targets[op.index] if op.index in targets else 0
+    for v in op.outputs:
+      for c in consumers.get(v, ()):
+        fed = feeds.get(c)
+        if fed:  # most readers feed no next value: skip the wide or
+          mask |= fed
+    feeds[op.index] = mask
+  out = []
+  for k, j in g.carried:
+    v, p = g.inputs[j].value, g.producer.get(g.outputs[k])
+    if p not in pos or not g.types[v].shape:
+      continue
+    bit = 1 << targets[p]
+    readers = [c for c in g.consumers.get(v, ()) if c in live and c in pos]
+    if any(not feeds.get(c, 0) & bit for c in readers):
+      out.append((v, min(pos[c] for c in readers), max(pos[c] for c in readers + [p])))
+  return out
+
+
+def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
+                      ) -> list[tuple[int, tuple]]:
+  """(value, classes as made) of what one iteration of a counted loop writes out and
+  holds at the body's own peak (whole bytes, in body order: each value from the op
+  making it to its last reader in the body, the body's outputs to its end), counted
+  live together while the loop runs (the blocks of a chunked attention's scores; a
+  scanned layer's activations). A copy of a layer the view folds away is costed as
+  its representative's loop. `dropped`: output slots the loop no longer writes (a
+  scan remat's residuals, recomputed in the backward loop instead)."""
+  g = problem.graph
+  rep = g.ops[problem.view.op_canon.get(op.index, op.index)]
+  region = scan_region(g, rep)
+  if region is None:
+    return []
+  body = list(g.region_ops(region.index))
+  gone = set(dropped)
+  kept = [v for s, v in enumerate(region.outputs) if s not in gone]
+  live = live_ops(g, body, kept)
+  fused = fused_values(g, body, live, kept,
+                      reductions_duplicate=problem.profile.reductions_duplicate,
+                      dot_operands=problem.profile.dot_operand_fusion)
+  out, span = [], []
+  pos = {o.index: j for j, o in enumerate(body)}
+  outputs = set(kept)
+  for j, o in enumerate(body):
+    rule = problem.rules.get(o.index)
+    if rule is None or o.index not in live:
+      continue
+    for slot, v in enumerate(o.outputs):
+      if (v in fused or not g.types[v].shape
+          or (problem.cv(v), 0) not in problem.value_class):
+        continue
+      out.append((v, tuple(None if f is None else problem.vclass(v, d)
+                           for d, f in enumerate(rule.outputs[slot]))))
+      last = len(body) if v in outputs else max(
+          [pos[c] for c in g.consumers.get(v, ()) if c in pos], default=j)
+      span.append((j, last))
+  # A stacked parameter read through a scan cut is gathered into the body's layout
+  # once per iteration: that copy (one layer's, not the stack's) lives from the body's
+  # start to its last reader. Counted in the body's layout whether or not the plan
+  # gathers: ungathered, it is the slice XLA cuts out of the stack.
+  for loop, _, inner, read in problem.scan_cuts:
+    if read and loop == rep.index and g.types[inner].shape:
+      out.append((inner, tuple(problem.value_class[(inner, d)]
+                               for d in range(len(g.types[inner].shape)))))
+      span.append((0, max([pos[c] for c in g.consumers.get(inner, ()) if c in pos],
+                          default=0)))
+  if not out:
+    return out
+  live_bytes = np.zeros(len(body) + 2)
+  for (v, _), (a, b) in zip(out, span):
+    live_bytes[a:b + 1] += g.types[v].nbytes
+  at = int(np.argmax(live_bytes))
+  return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
+
+
+def _hand_over_in_place(prog: _Program, entries: _Entries) -> None:
+  """Ends an in-place op's operand one position early where the op is its last reader,
+  so that its buffer and the op's result (the same memory) are not counted twice.
+
+  XLA runs these ops (`Facts.in_place`) in place: the result takes over the buffer of
+  operand 0 when that is its last use (a scatter into zeros, the embedding gradient's
+  scatter-add, say)."""
+  at: dict[int, int] = {}
+  for k, v in enumerate(entries.values):
+    at.setdefault(v, k)  # the value as written, not a later copy of it
+  in_place = {p for p in {op.primitive for op in prog.top} if ruleslib.facts(p).in_place}
+  start, stop = entries.start, entries.stop
+  for op in prog.top:
+    if op.primitive not in in_place or op.index not in prog.live or not op.inputs:
+      continue
+    k = at.get(op.inputs[0])
+    j = prog.pos[op.index]
+    if k is not None and stop[k] == j and start[k] < j:
+      stop[k] = j - 1

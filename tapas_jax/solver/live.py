@@ -22,7 +22,7 @@ from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import scan_region
 
-__all__ = ["Activations", "activations", "loop_body_values"]
+__all__ = ["Activations", "Entries", "activations", "loop_body_values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,24 @@ class Activations:
   stored: tuple[tuple[int, ...] | None, ...] = ()
   unless: tuple[tuple[int, ...], ...] = ()
   only: tuple[tuple[int, ...], ...] = ()
+
+  def with_entries(self, extra: Entries, *, start: np.ndarray | None = None,
+                   stop: np.ndarray | None = None, nbytes: np.ndarray | None = None
+                   ) -> Activations:
+    """These entries (their `start`, `stop` or `nbytes` replaced where given, entry
+    for entry) followed by `extra`'s, whose bytes are taken as given (per entry, as
+    `Activations.nbytes` holds them)."""
+    n = len(self.dims)
+    pad = lambda xs: tuple(xs) + ((),) * (n - len(xs))  # noqa: E731
+    return Activations(
+        np.concatenate([self.start if start is None else start,
+                        np.array(extra.start, int)]),
+        np.concatenate([self.stop if stop is None else stop, np.array(extra.stop, int)]),
+        np.concatenate([self.nbytes if nbytes is None else nbytes,
+                        np.array(extra.nbytes, float)]),
+        self.dims + tuple(extra.dims), self.length, self.values + tuple(extra.values),
+        tuple(self.stored or (None,) * n) + tuple(extra.stored),
+        pad(self.unless) + tuple(extra.unless), pad(self.only) + tuple(extra.only))
 
   def unless_of(self, k: int) -> tuple[int, ...]:
     return self.unless[k] if k < len(self.unless) else ()
@@ -123,7 +141,7 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   prog = _program(problem, cache)
   update = _UpdateReads.of(problem, prog)
   conv = _conv_copies(problem, prog)
-  entries = _Entries()
+  entries = Entries()
   own = _add_made(entries, problem, prog, update, conv,
                   _last_readers(prog, update, conv))
   _hand_over_in_place(prog, entries)
@@ -283,9 +301,10 @@ def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
   return reach
 
 
-class _Entries:
-  """The entries of an `Activations` as the steps add them: one `add` per entry, so
-  every field stays one per entry."""
+class Entries:
+  """Entries of an `Activations` as they are found: one `add` per entry, so every field
+  stays one per entry (`activations` builds its record from them; a remat adds its
+  own with `Activations.with_entries`)."""
 
   def __init__(self):
     self.start: list[int] = []
@@ -317,7 +336,7 @@ class _Entries:
                        tuple(self.unless), tuple(self.only))
 
 
-def _add_made(entries: _Entries, problem: Problem, prog: _Program, update: _UpdateReads,
+def _add_made(entries: Entries, problem: Problem, prog: _Program, update: _UpdateReads,
               conv, reach: Mapping[int, int]) -> dict[int, int]:
   """Adds every value as its op makes it (and the copies read through a cut or
   transposed for a convolution, next to it); returns value -> its entry as made."""
@@ -356,7 +375,7 @@ def _add_made(entries: _Entries, problem: Problem, prog: _Program, update: _Upda
   return own
 
 
-def _add_cut_copies(entries: _Entries, problem: Problem, prog: _Program, v: int, made,
+def _add_cut_copies(entries: Entries, problem: Problem, prog: _Program, v: int, made,
                     sided) -> None:
   """Read through a cut (sequence parallelism): each reader on the other side gets a
   transient copy in its layout (a norm's output gathered into a dot, a dot's result
@@ -382,7 +401,7 @@ def _add_cut_copies(entries: _Entries, problem: Problem, prog: _Program, v: int,
                   problem.reader_dims[(y, side)], stored=made)
 
 
-def _add_conv_copy(entries: _Entries, prog: _Program, op, j: int, v: int, classes) -> None:
+def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes) -> None:
   """XLA:CPU transposes a conv's operand as soon as it is made (the copy, not the
   value, is what the backward pass's weight-gradient conv keeps), and makes a
   non-canonical result canonical first, then transposes it."""
@@ -393,7 +412,7 @@ def _add_conv_copy(entries: _Entries, prog: _Program, op, j: int, v: int, classe
   entries.add(made_at if v in op.inputs else j, j, g.types[v].nbytes, v, classes)
 
 
-def _add_reductions(entries: _Entries, problem: Problem, prog: _Program, gradients,
+def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradients,
                     own: Mapping[int, int]) -> None:
   """Where a split leaves them partial sums, the gradients' reductions are combined, in
   program order, up to the compiler's combine threshold, each combined reduction run
@@ -419,7 +438,7 @@ def _add_reductions(entries: _Entries, problem: Problem, prog: _Program, gradien
         entries.add(a, b, g.types[x].nbytes, x, classes, only=partial)
 
 
-def _add_loop_bodies(entries: _Entries, problem: Problem, prog: _Program) -> None:
+def _add_loop_bodies(entries: Entries, problem: Problem, prog: _Program) -> None:
   """What a loop's body writes out in one iteration, live at the loop's position (only
   a loop, whose representative has a body, writes out values of its body)."""
   g, canon = prog.graph, problem.view.op_canon
@@ -429,7 +448,7 @@ def _add_loop_bodies(entries: _Entries, problem: Problem, prog: _Program) -> Non
         entries.add(j, j, g.types[v].nbytes, v, made)
 
 
-def _add_gathered_inputs(entries: _Entries, problem: Problem, prog: _Program) -> None:
+def _add_gathered_inputs(entries: Entries, problem: Problem, prog: _Program) -> None:
   """A parameter used in another layout than it is stored in (ZeRO): its gathered
   copy, from its first compute reader to its last."""
   g = prog.graph
@@ -443,7 +462,7 @@ def _add_gathered_inputs(entries: _Entries, problem: Problem, prog: _Program) ->
                 stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
 
 
-def _add_donated_copies(entries: _Entries, problem: Problem, prog: _Program) -> None:
+def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> None:
   """A donated input's copy before its update (`_donated_copies`); gone where the
   batch is split (`unless`)."""
   g = prog.graph
@@ -638,7 +657,7 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
 
 
-def _hand_over_in_place(prog: _Program, entries: _Entries) -> None:
+def _hand_over_in_place(prog: _Program, entries: Entries) -> None:
   """Ends an in-place op's operand one position early where the op is its last reader,
   so that its buffer and the op's result (the same memory) are not counted twice.
 

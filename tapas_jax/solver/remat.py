@@ -63,7 +63,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
-from tapas_jax.solver.live import Activations, loop_body_values
+from tapas_jax.solver.live import Activations, Entries, loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region
@@ -304,8 +304,7 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
     at.setdefault(v, k)
   start, stop = acts.start.copy(), acts.stop.copy()
   stored = acts.stored or (None,) * len(acts.dims)
-  extra_start, extra_stop, extra_bytes, extra_dims, extra_values = [], [], [], [], []
-  extra_stored = []
+  extra = Entries()
   extend: dict[int, int] = {}  # applied last: a new reader outlives any cut above
   for r in remats:
     first = pos[r.first]
@@ -321,13 +320,8 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
       if not early:
         continue
       regathered.add(v)
-      extra_start.append(min(late))
-      extra_stop.append(max(late))
+      extra.add(min(late), max(late), acts.nbytes[k], v, acts.dims[k], stored=stored[k])
       stop[k] = max(early)
-      extra_bytes.append(acts.nbytes[k])
-      extra_dims.append(acts.dims[k])
-      extra_values.append(v)
-      extra_stored.append(stored[k])
     switched: dict[int, set[int]] = {}
     for b, k in r.reads:
       switched.setdefault(g.ops[b].inputs[k], set()).add(b)
@@ -343,20 +337,12 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         readers = switched.get(v, set())
         others = [pos[c] for c in g.consumers.get(v, ()) if c in pos and c not in readers]
         stop[k] = max(others, default=start[k])
-        extra_start.append(first)
-        extra_stop.append(max((pos[b] for b in readers), default=first))
-        extra_bytes.append(acts.nbytes[k])
-        extra_dims.append(acts.dims[k])
-        extra_values.append(v)
-        extra_stored.append(None)  # an op's output, never a gathered parameter
+        # An op's output, never a gathered parameter: nothing stored apart.
+        extra.add(first, max((pos[b] for b in readers), default=first), acts.nbytes[k],
+                  v, acts.dims[k])
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
-  return dataclasses.replace(
-      acts, start=np.concatenate([start, np.array(extra_start, int)]),
-      stop=np.concatenate([stop, np.array(extra_stop, int)]),
-      nbytes=np.concatenate([acts.nbytes, np.array(extra_bytes, float)]),
-      dims=acts.dims + tuple(extra_dims), values=acts.values + tuple(extra_values),
-      stored=tuple(stored) + tuple(extra_stored))
+  return acts.with_entries(extra, start=start, stop=stop)
 
 
 def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRemat]
@@ -373,7 +359,7 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   for k, v in enumerate(acts.values):
     if v in gone and v in g.producer and g.producer[v] in {r.forward for r in scans}:
       nbytes[k] = 0.0
-  start, stop, extra_bytes, dims, values = [], [], [], [], []
+  extra = Entries()
   for r in scans:  # the forward body's own peak, without the residuals it drops
     at, drop = pos[r.forward], {s for _, s in r.dropped}
     mine = {v for v, _ in loop_body_values(problem, g.ops[r.forward])}
@@ -381,11 +367,7 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       if acts.start[k] == at == acts.stop[k] and v in mine:
         nbytes[k] = 0.0
     for v, made in loop_body_values(problem, g.ops[r.forward], drop):
-      start.append(at)
-      stop.append(at)
-      extra_bytes.append(g.types[v].nbytes)
-      dims.append(made)
-      values.append(v)
+      extra.add(at, at, g.types[v].nbytes, v, made)
 
   def classes(v):
     if (problem.cv(v), 0) not in problem.value_class:
@@ -398,24 +380,11 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
     consts = jx.scan_counts(fop.raw_params).num_consts
     for c in r.carries:
       v = fr.inputs[consts + c]
-      start.append(pos[r.forward])
-      stop.append(pos[r.backward])
-      extra_bytes.append(r.trip_count * g.types[v].nbytes)
-      dims.append((None,) + classes(v))
-      values.append(v)
+      extra.add(pos[r.forward], pos[r.backward], r.trip_count * g.types[v].nbytes, v,
+                (None,) + classes(v))
     for v in _recomputed_live(problem, r):
-      start.append(pos[r.backward])
-      stop.append(pos[r.backward])
-      extra_bytes.append(g.types[v].nbytes)
-      dims.append(classes(v))
-      values.append(v)
-  n = len(values)
-  return dataclasses.replace(
-      acts, start=np.concatenate([acts.start, np.array(start, int)]),
-      stop=np.concatenate([acts.stop, np.array(stop, int)]),
-      nbytes=np.concatenate([nbytes, np.array(extra_bytes, float)]),
-      dims=acts.dims + tuple(dims), values=acts.values + tuple(values),
-      stored=tuple(acts.stored or (None,) * len(acts.dims)) + (None,) * n)
+      extra.add(pos[r.backward], pos[r.backward], g.types[v].nbytes, v, classes(v))
+  return acts.with_entries(extra, nbytes=nbytes)
 
 
 def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:

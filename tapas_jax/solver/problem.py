@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import math
 import warnings
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
@@ -340,113 +340,29 @@ def free_values(graph: Graph, top: Sequence[Op], update: frozenset[int],
   return frozenset(free)
 
 
-def _contracts(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
-  """A contraction of two tensors (a dot_general, an embedding lookup): where
-  sequence parallelism gathers its operands and reduce-scatters its result."""
-  tensors = [v for v in op.inputs if v not in graph.literals and graph.types[v].shape]
-  return bool(rule.reduce) and len(tensors) >= 2
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """What every step of `build_problem` reads, found once from the view."""
+
+  graph: Graph
+  view: View  # scan bodies included
+  top: tuple[Op, ...]  # the view's ops but its loops, in program order
+  rules: Mapping[int, ruleslib.OpRule]
+  cv: Callable[[int], int]  # value -> the value standing for it in the view
+  update: frozenset[int]  # `update_ops`
+  free: frozenset[int]  # `free_values`
+  producer: Mapping[int, int]  # value -> the op making it
+  contracts: Mapping[int, bool]  # op index -> `_contracts`
+  cut_use: frozenset[int]  # inputs the update and the compute both read (parameters)
+  cut_update: frozenset[int]  # values the compute makes, the update reads (gradients)
+  apart: tuple[tuple[int, int, int, bool], ...]  # `_scan_cuts`
 
 
-def _weights(graph: Graph, top: Sequence[Op], free: frozenset[int], cv,
-             data: frozenset[int]) -> set[int]:
-  """Program inputs other than the data, and what one-operand ops (casts, transposes,
-  reshapes) make of them: the operands a contraction with a weight holds fixed."""
-  out = {cv(i.value) for i in graph.inputs if i.value not in data}
-  for op in top:
-    ins = [cv(v) for v in op.inputs if v not in graph.literals and cv(v) not in free]
-    if op.outputs and len(ins) == 1 and ins[0] in out and not op.subregions:
-      out.update(cv(v) for v in op.outputs)
-  return out
-
-
-def _sequence_dims(graph: Graph, top: Sequence[Op], rules, update, free, producer,
-                   contracts, cv, data: frozenset[int], classes) -> dict[int, set[int]]:
-  """Value -> the dims sequence parallelism may split apart at a contraction with a
-  weight (a dot with a kernel, an embedding lookup and its gradient's scatter-add).
-
-  Those are the dims the flowing operands (activations, the data) bring that no
-  weight holds: batch and sequence positions. They are cut where the model's width
-  meets a contraction: on an operand a non-contraction makes whose contracted dims
-  are the width (a norm's output into the column-parallel dots), and on a result
-  non-contractions read whose weight-made dims are the width (the row-parallel dots'
-  output into the residual add). The width is the class (`classes`: value dim ->
-  class without cuts) the contractions with weights hold most often. Between the
-  dots (attention, the MLP's activation) positions stay as the dots hold them:
-  Megatron's sequence parallelism, which XLA follows; splitting positions inside
-  attention (context parallelism) it does not (measured on GPT-2 small: 2.6x the
-  predicted collective bytes and "involuntary full rematerialization").
-  """
-  weights = _weights(graph, top, free, cv, data) | free
-  sites = []
-  count: dict[int, int] = {}
-  for op in top:
-    if op.index in update or not contracts[op.index] or len(op.outputs) != 1:
-      continue
-    rule = rules[op.index]
-    tensors = [k for k, v in enumerate(op.inputs)
-               if v not in graph.literals and graph.types[v].shape]
-    held = [k for k in tensors if cv(op.inputs[k]) in weights]
-    if not held or len(held) == len(tensors):
-      continue
-    fixed = {f for k in held for f in rule.inputs[k] if f is not None}
-    sites.append((op, rule, tensors, held, fixed))
-    for k in tensors:
-      if k not in held:
-        for d, f in enumerate(rule.inputs[k]):
-          if f in fixed:
-            c = classes[(cv(op.inputs[k]), d)]
-            count[c] = count.get(c, 0) + 1
-    for d, f in enumerate(rule.outputs[0]):
-      if f in fixed:
-        c = classes[(cv(op.outputs[0]), d)]
-        count[c] = count.get(c, 0) + 1
-  if not count:
-    return {}
-  width = max(count, key=lambda c: (count[c], -c))
-
-  def at_width(v, dims, fixed):
-    held = [d for d, f in enumerate(dims) if f in fixed]
-    return bool(held) and all(classes[(v, d)] == width for d in held)
-
-  out: dict[int, set[int]] = {}
-  for op, rule, tensors, held, fixed in sites:
-    for k in tensors:
-      if k in held:
-        continue
-      kept = {f for f in rule.inputs[k] if f is not None and f not in fixed}
-      a = cv(op.inputs[k])
-      if (kept and a in producer and a not in free and producer[a] not in update
-          and not contracts[producer[a]] and at_width(a, rule.inputs[k], fixed)):
-        out.setdefault(a, set()).update(
-            d for d, f in enumerate(rule.inputs[k]) if f in kept)
-    flowing = {f for k in tensors if k not in held for f in rule.inputs[k]
-               if f is not None and f not in fixed}
-    r = cv(op.outputs[0])
-    dims = {d for d, f in enumerate(rule.outputs[0]) if f in flowing}
-    if dims and at_width(r, rule.outputs[0], fixed) and any(
-        not contracts[c] and c not in update
-        for c in graph.consumers.get(r, ()) if c in contracts):
-      out.setdefault(r, set()).update(dims)
-  return out
-
-
-def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
-                  batch_axes: Sequence[str] | None, view: View | None = None,
-                  sequence_cuts: bool = False) -> Problem:
-  """Dimension classes, their domains and the op rules of a traced program.
-
-  Args:
-    view: the ops to search (`folded_view` or `unfolded_view`); default unfolded.
-    sequence_cuts: let activations where the model's width meets a contraction hold
-      their positions apart on the two sides (Megatron's sequence parallelism: the
-      residual stream split on the tensor axis, gathered into the dots and
-      reduce-scattered out of them; see `_sequence_dims`); False: one layout per
-      value dim.
-  """
-  view = with_scan_bodies(graph, view or unfolded_view(graph))
+def _program(graph: Graph, view: View) -> _Program:
+  """The ops of the view, their rules, the update, the free values and the cuts."""
   canon = view.canon
   cv = lambda v: canon.get(v, v)  # noqa: E731
-  top = [graph.ops[i] for i in view.ops if i not in view.loops]
+  top = tuple(graph.ops[i] for i in view.ops if i not in view.loops)
   by_signature: dict[str, ruleslib.OpRule] = {}  # a rule depends on the signature alone
   rules = {}
   for op in top:
@@ -464,117 +380,49 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   # (stored as the update has them, used as the compute wants) and gradients (made as
   # the compute has them, delivered as the update wants).
   producer = {cv(v): op.index for op in top for v in op.outputs}
-  cut_use = {v for v, r in readers.items() if r == {True, False} and v not in producer}
-  cut_update = {v for v, r in readers.items() if True in r and v in producer
-                and producer[v] not in update}
-  read_sides: dict[tuple[int, int], str] = {}  # filled once the batch is known
+  cut_use = frozenset(v for v, r in readers.items() if r == {True, False} and v not in producer)
+  cut_update = frozenset(v for v, r in readers.items() if True in r and v in producer
+                         and producer[v] not in update)
+  return _Program(graph=graph, view=view, top=top, rules=rules, cv=cv, update=update,
+                  free=free, producer=producer, cut_use=cut_use, cut_update=cut_update,
+                  contracts={op.index: _contracts(graph, op, rules[op.index]) for op in top},
+                  apart=_scan_cuts(graph, view, rules, update, cv))
 
-  def side_of(op_index: int, v: int):
-    if op_index in update:
-      return True if v in cut_update else None
-    if v in cut_use:
-      return False
-    return read_sides.get((op_index, v))
 
-  apart = _scan_cuts(graph, view, rules, update, cv)
-  first = _unite(graph, view, top, rules, cv, side_of, free, lambda v, d: True, apart=apart)
-  batch = _batch_classes(graph, mesh, first, cv, batch_axes)
+def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceProfile,
+                  batch_axes: Sequence[str] | None, view: View | None = None,
+                  sequence_cuts: bool = False) -> Problem:
+  """Dimension classes, their domains and the op rules of a traced program.
+
+  Args:
+    view: the ops to search (`folded_view` or `unfolded_view`); default unfolded.
+    sequence_cuts: let activations where the model's width meets a contraction hold
+      their positions apart on the two sides (Megatron's sequence parallelism: the
+      residual stream split on the tensor axis, gathered into the dots and
+      reduce-scattered out of them; see `_sequence_dims`); False: one layout per
+      value dim.
+  """
+  prog = _program(graph, with_scan_bodies(graph, view or unfolded_view(graph)))
+  first = _unite(prog, {}, lambda v, d: True)
+  data, batch = _batch(prog, mesh, first, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}
   # Activations between a contraction with a weight and other ops: read by the other
   # kind through a cut ("dot": gathered into contractions; "elem": a contraction's
   # result as norms and residual adds hold it), over the dims the activation brings
   # to the contraction and keeps (the sequence; the batch stays one class, below).
-  contracts = {op.index: _contracts(graph, op, rules[op.index]) for op in top}
-  cut_dims = (_sequence_dims(graph, top, rules, update, free, producer, contracts, cv,
-                             first.data, first.value_class)
-              if sequence_cuts else {})
-  for op in top:
-    if op.index in update:
-      continue
-    for v in op.inputs:
-      v = cv(v)
-      if v in cut_dims and contracts[op.index] != contracts[producer[v]]:
-        read_sides[(op.index, v)] = "dot" if contracts[op.index] else "elem"
-
-  # The batch stays one class (the sides of a cut share it): `batch_axes` then holds
-  # everywhere, and the search does not grow by a copy of it per cut.
-  # The contractions keep one layout per dim as without cuts (Megatron-SP: only the
-  # positions between them split apart): a dim every contraction of the model reads
-  # alike stays one class there, so the dots around attention and the loss's head
-  # cannot split positions each their own way (XLA lowers those gradients' partial
-  # sums over two axes as two all-reduces: measured 1.47x the predicted bytes on
-  # GPT-2 small).
-  u = (_unite(graph, view, top, rules, cv, side_of, free,
-              lambda v, d: d not in cut_dims[v] or (v, d) in batch_dims,
-              {(v, d): first.value_class[(v, d)] for v, dims in cut_dims.items()
-               for d in dims}, apart=apart)
-       if read_sides else first)
-  value_class, side_class, index = u.value_class, u.side_class, u.index
-  sizes: dict[int, set[int]] = {}
-  example: dict[int, str] = {}
-  for (v, d), c in list(value_class.items()) + [((v, d), c) for (v, d, _), c
-                                                 in side_class.items()]:
-    sizes.setdefault(c, set()).add(graph.types[v].shape[d])
-  for (v, d, _), c in side_class.items():  # where a parameter is used
-    if v in graph.input_path and c not in example:
-      example[c] = f"{graph.input_path[v]}[{d}]"
-  for i in graph.inputs:  # where it is stored
-    for d in range(len(graph.types[i.value].shape)):
-      c = value_class[(cv(i.value), d)]
-      if c not in example:
-        example[c] = f"{i.path}[{d}]" + (" stored" if cv(i.value) in cut_use else "")
-  for op in top:  # classes no input holds: named by an op that makes them
-    for v in op.outputs:
-      for d in range(len(graph.types[v].shape)):
-        c = value_class.get((cv(v), d))
-        if c is not None and c not in example:
-          example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
-  for (v, d, s), c in side_class.items():  # an activation as the other side reads it
-    if c not in example and v in producer:
-      op = graph.ops[producer[v]]
-      example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}] read by {s}"
-  conflicted = {index[u.uf.find(n)] for n in u.pinned}
-  for cs in u.factor_class.values():
-    conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
-  for dims in _value_dims(graph, value_class, side_class):
-    conflicted.update(c for c in dims if dims.count(c) > 1)
-
-  # Classes only free values hold cost nothing either way: left whole, out of the search.
-  used = {c for (v, _), c in value_class.items() if v not in free}
-  used.update(side_class.values())
-  for op in top:
-    if not all(cv(v) in free for v in op.outputs):
-      used.update(c for c in u.factor_class[op.index] if c >= 0)
-  conflicted.update(set(range(len(index))) - used)
-  batch_classes = {value_class[key] for key in batch_dims}
+  cut_dims = _sequence_dims(prog, data, first.value_class) if sequence_cuts else {}
+  u, read_sides = _unite_cut(prog, first, cut_dims, batch_dims)
+  classes = _dim_classes(prog, u, {u.value_class[key] for key in batch_dims})
   allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
-  classes, domains = [], []
-  for c in range(len(index)):
-    # Members may differ in size where a reshape splits a merged dim by its major
-    # part ((B, S, H*D) -> (B, S, H, D)): a split must divide every member.
-    size = math.gcd(*sizes[c])
-    splittable = size > 1 and c not in conflicted
-    is_batch = c in batch_classes
-    classes.append(DimClass(index=c, size=size, batch=is_batch, splittable=splittable,
-                            example=example.get(c, "")))
-    domains.append(_domain(size if splittable else 1, mesh,
-                           allowed_batch if is_batch else None, is_batch))
-  reads = {}
-  for (v, d, s), c in side_class.items():
-    reads.setdefault((v, s), {})[d] = c
-  reader_dims = {}
-  for (v, s), dims in reads.items():  # dims a cut leaves joined read the value's own
-    reader_dims[(v, s)] = tuple(dims.get(d, value_class[(v, d)])
-                                for d in range(len(graph.types[v].shape)))
-  return Problem(graph=graph, mesh=mesh, profile=profile, classes=tuple(classes),
-                 domains=tuple(domains), value_class=value_class, rules=rules,
-                 state_pairs=_state_pairs(graph, canon), batch_inputs=first.data,
-                 batch_axes=allowed_batch,
-                 view=view, factor_class=u.factor_class, reader_dims=reader_dims,
-                 update_ops=update, free_values=free,
-                 read_sides={k: s for k, s in read_sides.items()
-                             if (k[1], s) in reader_dims},
-                 scan_cuts=apart)
+  domains = tuple(_domain(c.size if c.splittable else 1, mesh,
+                          allowed_batch if c.batch else None, c.batch) for c in classes)
+  reader_dims = _reader_dims(prog, u)
+  return Problem(graph=graph, mesh=mesh, profile=profile, classes=classes, domains=domains,
+                 value_class=u.value_class, rules=prog.rules, batch_inputs=data,
+                 state_pairs=_state_pairs(graph, prog.view.canon), batch_axes=allowed_batch,
+                 view=prog.view, factor_class=u.factor_class, reader_dims=reader_dims,
+                 update_ops=prog.update, free_values=prog.free, scan_cuts=prog.apart,
+                 read_sides={k: s for k, s in read_sides.items() if (k[1], s) in reader_dims})
 
 
 def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
@@ -618,125 +466,322 @@ def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
   return tuple(out)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _United:
   """One union-find pass over the view: classes of value dims, cut sides and factors."""
 
-  uf: _UnionFind
-  value_class: dict
-  side_class: dict
-  factor_class: dict
-  index: dict
-  pinned: set
-  data: frozenset = frozenset()
+  value_class: dict  # (value, dim) -> class
+  side_class: dict  # (value, dim, cut side) -> class
+  factor_class: dict  # op index -> class per factor of its rule, -1: on no value dim
+  pinned: set  # classes that must stay unsplit: a scan's stacked dim
+  count: int  # classes are 0..count-1
 
 
-def _unite(graph: Graph, view: View, top: Sequence[Op], rules, cv, side_of, free,
-           joined, contraction_sides: Mapping[tuple[int, int], int] | None = None,
-           apart: Sequence[tuple[int, int, int, bool]] = ()) -> _United:
-  """Joins factors through values. A read whose `side_of` is not None reads the value
-  through a cut: dims of its own (except dims `joined(v, d)` keeps one); a read of a
-  free value gets dims of its own per read. `contraction_sides`: cut value dim -> a
-  key; the contraction sides of cut dims with one key are joined. `apart`: scan
-  bindings (`_scan_cuts`) whose stacked dims stay apart from the body's."""
-  cut = {(loop, outer, inner) for loop, outer, inner, _ in apart}
-  uf = _UnionFind()
-  node: dict[tuple[int, int], int] = {}
-  side: dict[tuple[int, int, object], int] = {}
-
-  def vnode(v: int, d: int) -> int:
-    key = (v, d)
-    if key not in node:
-      node[key] = uf.add()
-    return node[key]
-
-  def read_node(op_index: int, v: int, d: int) -> int:
-    if v in free:
-      return uf.add()
-    s = side_of(op_index, v)
-    if s is None or (isinstance(s, str) and joined(v, d)):
-      return vnode(v, d)
-    key = (v, d, s)
-    if key not in side:
-      side[key] = uf.add()
-    return side[key]
-
-  pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
-  for loop in view.loops:
-    for outer, inner, shift in scan_bindings(graph, graph.ops[loop]):
-      if (loop, cv(outer), inner) not in cut:
-        for d in range(len(graph.types[inner].shape)):
-          uf.union(vnode(cv(outer), d + shift), vnode(inner, d))
-      else:  # the body's own classes; `inner` is made or read in them
-        for d in range(len(graph.types[inner].shape)):
-          vnode(inner, d)
-      if shift:
-        pinned.add(vnode(cv(outer), 0))
-
-  op_factor_nodes = {}
-  for op in top:
-    rule = rules[op.index]
-    fnodes = [uf.add() for _ in rule.factor_sizes]
-    op_factor_nodes[op.index] = fnodes
-    for v, fs in zip(op.inputs, rule.inputs):
-      if v in graph.literals:
-        continue
-      for d, f in enumerate(fs):
-        n = read_node(op.index, cv(v), d)
-        if f is not None:
-          uf.union(fnodes[f], n)
-    for v, fs in zip(op.outputs, rule.outputs):
-      for d, f in enumerate(fs):
-        n = vnode(cv(v), d)
-        if f is not None:
-          uf.union(fnodes[f], n)
-  for i in graph.inputs:
-    for d in range(len(graph.types[i.value].shape)):
-      vnode(cv(i.value), d)
+def _unite(prog: _Program, read_sides: Mapping[tuple[int, int], str], joined,
+           contraction_sides: Mapping[tuple[int, int], int] | None = None) -> _United:
+  """Joins factors through values. A read through a cut (`_Nodes.read`) takes dims of its
+  own (except dims `joined(v, d)` keeps one); a read of a free value gets dims of its own
+  per read. `contraction_sides`: cut value dim -> a key; the contraction sides of cut
+  dims with one key are joined. Scan bindings in `prog.apart` keep their stacked dims
+  apart from the body's."""
+  nodes = _Nodes(prog, read_sides, joined)
+  pinned = nodes.join_scans()
+  factor_nodes = nodes.join_ops()
+  for i in prog.graph.inputs:
+    for d in range(len(prog.graph.types[i.value].shape)):
+      nodes.value(prog.cv(i.value), d)
   first: dict[int, int] = {}
   for (v, d), key in (contraction_sides or {}).items():
     # A value contractions read through a cut: their side is the cut's read; a
     # contraction's result read by others through one: their side is the value.
-    n = side.get((v, d, "dot"), node.get((v, d)) if (v, d, "elem") in side else None)
+    n = nodes.side.get((v, d, "dot"),
+                       nodes.node.get((v, d)) if (v, d, "elem") in nodes.side else None)
     if n is not None:
-      uf.union(first.setdefault(key, n), n)
-
-  all_nodes = list(node.values()) + list(side.values())
-  roots = sorted({uf.find(n) for n in all_nodes})
+      nodes.uf.union(first.setdefault(key, n), n)
+  uf = nodes.uf
+  roots = sorted({uf.find(n) for n in list(nodes.node.values()) + list(nodes.side.values())})
   index = {r: k for k, r in enumerate(roots)}
   return _United(
-      uf=uf, value_class={key: index[uf.find(n)] for key, n in node.items()},
-      side_class={key: index[uf.find(n)] for key, n in side.items()},
+      value_class={key: index[uf.find(n)] for key, n in nodes.node.items()},
+      side_class={key: index[uf.find(n)] for key, n in nodes.side.items()},
       factor_class={i: tuple(index.get(uf.find(n), -1) for n in fnodes)
-                    for i, fnodes in op_factor_nodes.items()},
-      index=index, pinned=pinned)
+                    for i, fnodes in factor_nodes.items()},
+      pinned={index[uf.find(n)] for n in pinned}, count=len(index))
 
 
-def _batch_classes(graph: Graph, mesh: costlib.MeshSpec, u: _United, cv,
-                   batch_axes: Sequence[str] | None) -> set[int]:
-  """The classes of the batch inputs' dim 0 (and records the batch inputs in `u`)."""
+class _Nodes:
+  """The union-find nodes of one pass: value dims, and dims read through a cut."""
+
+  def __init__(self, prog: _Program, read_sides: Mapping[tuple[int, int], str], joined):
+    self.prog, self.read_sides, self.joined = prog, read_sides, joined
+    self.uf = _UnionFind()
+    self.node: dict[tuple[int, int], int] = {}  # value dim -> node
+    self.side: dict[tuple[int, int, object], int] = {}  # (value, dim, cut side) -> node
+
+  def value(self, v: int, d: int) -> int:
+    if (v, d) not in self.node:
+      self.node[(v, d)] = self.uf.add()
+    return self.node[(v, d)]
+
+  def read(self, op_index: int, v: int, d: int) -> int:
+    """Dim d of v as op `op_index` reads it: a node of its own through a cut."""
+    p = self.prog
+    if v in p.free:
+      return self.uf.add()
+    if op_index in p.update:
+      s = True if v in p.cut_update else None
+    else:
+      s = False if v in p.cut_use else self.read_sides.get((op_index, v))
+    if s is None or (isinstance(s, str) and self.joined(v, d)):
+      return self.value(v, d)
+    if (v, d, s) not in self.side:
+      self.side[(v, d, s)] = self.uf.add()
+    return self.side[(v, d, s)]
+
+  def join_scans(self) -> set[int]:
+    """Joins each scan's outer values with the body's; returns the stacked dims."""
+    graph, cv = self.prog.graph, self.prog.cv
+    cut = {(loop, outer, inner) for loop, outer, inner, _ in self.prog.apart}
+    pinned = set()  # value dims that must stay unsplit: a scan's stacked dim
+    for loop in self.prog.view.loops:
+      for outer, inner, shift in scan_bindings(graph, graph.ops[loop]):
+        if (loop, cv(outer), inner) not in cut:
+          for d in range(len(graph.types[inner].shape)):
+            self.uf.union(self.value(cv(outer), d + shift), self.value(inner, d))
+        else:  # the body's own classes; `inner` is made or read in them
+          for d in range(len(graph.types[inner].shape)):
+            self.value(inner, d)
+        if shift:
+          pinned.add(self.value(cv(outer), 0))
+    return pinned
+
+  def join_ops(self) -> dict[int, list[int]]:
+    """Joins each op's factors with the dims it reads and makes; op -> factor nodes."""
+    p, uf = self.prog, self.uf
+    factor_nodes = {}
+    for op in p.top:
+      rule = p.rules[op.index]
+      fnodes = [uf.add() for _ in rule.factor_sizes]
+      factor_nodes[op.index] = fnodes
+      for v, fs in zip(op.inputs, rule.inputs):
+        if v in p.graph.literals:
+          continue
+        for d, f in enumerate(fs):
+          n = self.read(op.index, p.cv(v), d)
+          if f is not None:
+            uf.union(fnodes[f], n)
+      for v, fs in zip(op.outputs, rule.outputs):
+        for d, f in enumerate(fs):
+          n = self.value(p.cv(v), d)
+          if f is not None:
+            uf.union(fnodes[f], n)
+    return factor_nodes
+
+
+def _batch(prog: _Program, mesh: costlib.MeshSpec, u: _United,
+           batch_axes: Sequence[str] | None) -> tuple[frozenset[int], set[int]]:
+  """The batch inputs (`batch_inputs`) and the classes of their dim 0."""
+  graph, cv = prog.graph, prog.cv
   read_as: dict[int, list[int]] = {}  # classes a value is read in, besides its own
   for (v, _, _), c in u.side_class.items():
     read_as.setdefault(v, []).append(c)
   input_classes = {i.value: [u.value_class[(cv(i.value), d)]
                              for d in range(len(graph.types[i.value].shape))]
                    + read_as.get(cv(i.value), []) for i in graph.inputs}
-  u.data = batch_inputs(graph, input_classes)
+  data = batch_inputs(graph, input_classes)
   for a in (() if batch_axes is None else batch_axes):
     if a not in mesh.axis_names:
       raise ValueError(f"batch_axes names {a!r}, which is not a mesh axis "
                        f"{mesh.axis_names}; pass axes of the mesh or None")
-  return {u.value_class[(cv(v), 0)] for v in u.data}
+  return data, {u.value_class[(cv(v), 0)] for v in data}
 
 
-def _value_dims(graph: Graph, value_class, side_class):
-  """Per value (and per cut side), the class of each dim."""
-  by_value: dict[tuple, dict[int, int]] = {}
-  for (v, d), c in value_class.items():
+def _contracts(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
+  """A contraction of two tensors (a dot_general, an embedding lookup): where
+  sequence parallelism gathers its operands and reduce-scatters its result."""
+  tensors = [v for v in op.inputs if v not in graph.literals and graph.types[v].shape]
+  return bool(rule.reduce) and len(tensors) >= 2
+
+
+def _sequence_dims(prog: _Program, data: frozenset[int], classes) -> dict[int, set[int]]:
+  """Value -> the dims sequence parallelism may split apart at a contraction with a
+  weight (a dot with a kernel, an embedding lookup and its gradient's scatter-add).
+
+  Those are the dims the flowing operands (activations, the data) bring that no
+  weight holds: batch and sequence positions. They are cut where the model's width
+  meets a contraction: on an operand a non-contraction makes whose contracted dims
+  are the width (a norm's output into the column-parallel dots), and on a result
+  non-contractions read whose weight-made dims are the width (the row-parallel dots'
+  output into the residual add). The width is the class (`classes`: value dim ->
+  class without cuts) the contractions with weights hold most often. Between the
+  dots (attention, the MLP's activation) positions stay as the dots hold them:
+  Megatron's sequence parallelism, which XLA follows; splitting positions inside
+  attention (context parallelism) it does not (measured on GPT-2 small: 2.6x the
+  predicted collective bytes and "involuntary full rematerialization").
+  """
+  sites, count = _contraction_sites(prog, data, classes)
+  if not count:
+    return {}
+  width = max(count, key=lambda c: (count[c], -c))
+
+  def at_width(v, dims, fixed):
+    held = [d for d, f in enumerate(dims) if f in fixed]
+    return bool(held) and all(classes[(v, d)] == width for d in held)
+
+  out: dict[int, set[int]] = {}
+  for op, rule, tensors, held, fixed in sites:
+    for k in tensors:
+      if k in held:
+        continue
+      kept = {f for f in rule.inputs[k] if f is not None and f not in fixed}
+      a = prog.cv(op.inputs[k])
+      if (kept and a in prog.producer and a not in prog.free
+          and prog.producer[a] not in prog.update and not prog.contracts[prog.producer[a]]
+          and at_width(a, rule.inputs[k], fixed)):
+        out.setdefault(a, set()).update(d for d, f in enumerate(rule.inputs[k]) if f in kept)
+    flowing = {f for k in tensors if k not in held for f in rule.inputs[k]
+               if f is not None and f not in fixed}
+    r = prog.cv(op.outputs[0])
+    dims = {d for d, f in enumerate(rule.outputs[0]) if f in flowing}
+    if dims and at_width(r, rule.outputs[0], fixed) and any(
+        not prog.contracts[c] and c not in prog.update
+        for c in prog.graph.consumers.get(r, ()) if c in prog.contracts):
+      out.setdefault(r, set()).update(dims)
+  return out
+
+
+def _contraction_sites(prog: _Program, data: frozenset[int], classes) -> tuple[list, dict]:
+  """The contractions with a weight (op, rule, tensor operands, those weights hold, the
+  factors they hold), and per class how often they hold it fixed."""
+  graph, cv = prog.graph, prog.cv
+  # Program inputs other than the data, and what one-operand ops (casts, transposes,
+  # reshapes) make of them: the operands a contraction with a weight holds fixed.
+  weights = {cv(i.value) for i in graph.inputs if i.value not in data}
+  for op in prog.top:
+    ins = [cv(v) for v in op.inputs if v not in graph.literals and cv(v) not in prog.free]
+    if op.outputs and len(ins) == 1 and ins[0] in weights and not op.subregions:
+      weights.update(cv(v) for v in op.outputs)
+  weights |= prog.free
+  sites, count = [], {}
+  for op in prog.top:
+    if op.index in prog.update or not prog.contracts[op.index] or len(op.outputs) != 1:
+      continue
+    rule = prog.rules[op.index]
+    tensors = tuple(k for k, v in enumerate(op.inputs)
+                    if v not in graph.literals and graph.types[v].shape)
+    held = tuple(k for k in tensors if cv(op.inputs[k]) in weights)
+    if not held or len(held) == len(tensors):
+      continue
+    fixed = frozenset(f for k in held for f in rule.inputs[k] if f is not None)
+    sites.append((op, rule, tensors, held, fixed))
+    flowing = [(op.inputs[k], rule.inputs[k]) for k in tensors if k not in held]
+    for v, fs in flowing + [(op.outputs[0], rule.outputs[0])]:
+      for d, f in enumerate(fs):
+        if f in fixed:
+          count[classes[(cv(v), d)]] = count.get(classes[(cv(v), d)], 0) + 1
+  return sites, count
+
+
+def _unite_cut(prog: _Program, first: _United, cut_dims: Mapping[int, set[int]],
+               batch_dims: set[tuple[int, int]]) -> tuple[_United, dict]:
+  """The union again with the cut dims apart on the two sides, and (op index, value)
+  -> the side of a cut the op reads the value from."""
+  read_sides: dict[tuple[int, int], str] = {}
+  for op in prog.top:
+    if op.index in prog.update:
+      continue
+    for v in op.inputs:
+      v = prog.cv(v)
+      if v in cut_dims and prog.contracts[op.index] != prog.contracts[prog.producer[v]]:
+        read_sides[(op.index, v)] = "dot" if prog.contracts[op.index] else "elem"
+  if not read_sides:
+    return first, read_sides
+  # The batch stays one class (the sides of a cut share it): `batch_axes` then holds
+  # everywhere, and the search does not grow by a copy of it per cut.
+  # The contractions keep one layout per dim as without cuts (Megatron-SP: only the
+  # positions between them split apart): a dim every contraction of the model reads
+  # alike stays one class there, so the dots around attention and the loss's head
+  # cannot split positions each their own way (XLA lowers those gradients' partial
+  # sums over two axes as two all-reduces: measured 1.47x the predicted bytes on
+  # GPT-2 small).
+  return _unite(prog, read_sides, lambda v, d: d not in cut_dims[v] or (v, d) in batch_dims,
+                {(v, d): first.value_class[(v, d)] for v, dims in cut_dims.items()
+                 for d in dims}), read_sides
+
+
+def _dim_classes(prog: _Program, u: _United, batch_classes: set[int]) -> tuple[DimClass, ...]:
+  """Every class of the final union, with its size, batch role and example."""
+  sizes: dict[int, set[int]] = {}
+  for (v, d), c in list(u.value_class.items()) + [((v, d), c) for (v, d, _), c
+                                                   in u.side_class.items()]:
+    sizes.setdefault(c, set()).add(prog.graph.types[v].shape[d])
+  example, unsplittable = _examples(prog, u), _unsplittable(prog, u)
+  classes = []
+  for c in range(u.count):
+    # Members may differ in size where a reshape splits a merged dim by its major
+    # part ((B, S, H*D) -> (B, S, H, D)): a split must divide every member.
+    size = math.gcd(*sizes[c])
+    classes.append(DimClass(index=c, size=size, batch=c in batch_classes,
+                            splittable=size > 1 and c not in unsplittable,
+                            example=example.get(c, "")))
+  return tuple(classes)
+
+
+def _examples(prog: _Program, u: _United) -> dict[int, str]:
+  """Class -> a readable member: a parameter, an input, an op's result, a cut read."""
+  graph, cv = prog.graph, prog.cv
+  example: dict[int, str] = {}
+  for (v, d, _), c in u.side_class.items():  # where a parameter is used
+    if v in graph.input_path and c not in example:
+      example[c] = f"{graph.input_path[v]}[{d}]"
+  for i in graph.inputs:  # where it is stored
+    for d in range(len(graph.types[i.value].shape)):
+      stored = " stored" if cv(i.value) in prog.cut_use else ""
+      example.setdefault(u.value_class[(cv(i.value), d)], f"{i.path}[{d}]{stored}")
+  for op in prog.top:  # classes no input holds: named by an op that makes them
+    for v in op.outputs:
+      for d in range(len(graph.types[v].shape)):
+        c = u.value_class.get((cv(v), d))
+        if c is not None and c not in example:
+          example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}]"
+  for (v, d, s), c in u.side_class.items():  # an activation as the other side reads it
+    if c not in example and v in prog.producer:
+      op = graph.ops[prog.producer[v]]
+      example[c] = f"{op.name_stack or '(top)'}/{op.primitive}[{d}] read by {s}"
+  return example
+
+
+def _unsplittable(prog: _Program, u: _United) -> set[int]:
+  """Classes one op or tensor holds twice, a scan's stacked dims, and unused ones."""
+  conflicted = set(u.pinned)
+  for cs in u.factor_class.values():
+    conflicted.update(c for c in cs if c >= 0 and cs.count(c) > 1)
+  by_value: dict[tuple, dict[int, int]] = {}  # per value (and per cut side), its dims
+  for (v, d), c in u.value_class.items():
     by_value.setdefault((v,), {})[d] = c
-  for (v, d, s), c in side_class.items():
+  for (v, d, s), c in u.side_class.items():
     by_value.setdefault((v, s), {})[d] = c
-  return [list(dims.values()) for dims in by_value.values()]
+  for cs in (list(dims.values()) for dims in by_value.values()):
+    conflicted.update(c for c in cs if cs.count(c) > 1)
+  # Classes only free values hold cost nothing either way: left whole, out of the search.
+  used = {c for (v, _), c in u.value_class.items() if v not in prog.free}
+  used.update(u.side_class.values())
+  for op in prog.top:
+    if not all(prog.cv(v) in prog.free for v in op.outputs):
+      used.update(c for c in u.factor_class[op.index] if c >= 0)
+  conflicted.update(set(range(u.count)) - used)
+  return conflicted
+
+
+def _reader_dims(prog: _Program, u: _United) -> dict[tuple[int, object], tuple[int, ...]]:
+  """(value, side) -> the class of each dim as that side reads it (`Problem.reader_dims`)."""
+  reads: dict[tuple[int, object], dict[int, int]] = {}
+  for (v, d, s), c in u.side_class.items():
+    reads.setdefault((v, s), {})[d] = c
+  # dims a cut leaves joined read the value's own
+  return {(v, s): tuple(dims.get(d, u.value_class[(v, d)])
+                        for d in range(len(prog.graph.types[v].shape)))
+          for (v, s), dims in reads.items()}
 
 
 def _domain(size: int, mesh: costlib.MeshSpec, allowed: Sequence[str] | None,

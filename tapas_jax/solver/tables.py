@@ -356,13 +356,23 @@ class TableBuilder:
     return self._table(("scan cut",), [], 0.0, None, [edge])
 
   def _sent_type(self, ttype: TensorType, readers) -> TensorType:
-    """The type a value is gathered in for these readers: bf16 for an f32 value read only
-    by dots at DEFAULT precision where the compiler runs those as one bf16 pass and
-    converts the operand before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`)."""
-    if (not self.p.profile.gathers_dot_operands_in_bf16 or ttype.dtype != "float32"
-        or not readers or not all(_default_dot(self.p.graph.ops[i]) for i in readers)):
+    """The type a value is gathered in for these readers, where the compiler converts
+    the shard before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`): bf16
+    for an f32 value read only by dots at DEFAULT precision (run as one bf16 pass), and
+    the readers' type for a value read only by converts to one narrower type (f32
+    weights cast to the bf16 the model computes in, as flax's `param_dtype` does)."""
+    if not self.p.profile.gathers_dot_operands_in_bf16 or not readers:
       return ttype
-    return dataclasses.replace(ttype, dtype="bfloat16")
+    g = self.p.graph
+    ops = [g.ops[i] for i in readers]
+    if ttype.dtype == "float32" and all(_default_dot(op) for op in ops):
+      return dataclasses.replace(ttype, dtype="bfloat16")
+    if all(op.primitive == "convert_element_type" for op in ops):
+      dtypes = {g.types[op.outputs[0]].dtype for op in ops}
+      narrow = dataclasses.replace(ttype, dtype=dtypes.pop()) if len(dtypes) == 1 else ttype
+      if narrow.itemsize < ttype.itemsize and narrow.dtype.startswith(("bfloat", "float")):
+        return narrow
+    return ttype
 
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: list[int] = []

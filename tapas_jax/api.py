@@ -316,8 +316,18 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, config: options.Searc
       figures = dataclasses.replace(record.figures(), rounds=tuple(rounds), hbm_bytes=limit)
       return dataclasses.replace(plan, compiled=figures)
     budget = min(budget or math.inf, predicted) - missing
-    if budget <= 0 or k == VERIFY_ROUNDS - 1:
+    if k == VERIFY_ROUNDS - 1:
       break
+    if budget <= 0:
+      # The compiler needs more than the prediction over again (an unrolled 80-layer
+      # stack at 4-5x): no lowered budget is left, so the leanest plan the model knows
+      # is the one left to try.
+      leanest = _leanest(solve)
+      if leanest is None or not leanest < predicted:
+        break
+      notes.append(f"the compiler needs {record.fit_bytes / predicted:.1f}x the "
+                   f"prediction: the leanest plan known ({fmt(leanest)}) next")
+      budget = leanest * (1 + 1e-9)
     try:
       plan = solve(budget)
     except solverlib.InfeasibleBudgetError as e:
@@ -338,6 +348,16 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, config: options.Searc
       f"the leanest needs {fmt(leanest[2])}, {fmt(leanest[2] - limit)} too much. "
       + "; ".join(notes) + ". Use a bigger mesh, rematerialise, or a smaller batch or "
       "model.", budget_bytes=limit, leanest_bytes=leanest[2])
+
+
+def _leanest(solve) -> float | None:
+  """Predicted bytes of the leanest plan the search knows (what a search under a
+  budget no plan fits reports), or None."""
+  try:
+    solve(1.0)
+  except solverlib.InfeasibleBudgetError as e:
+    return e.leanest_bytes
+  return None
 
 
 def resolve_budget(memory_budget: float | None,

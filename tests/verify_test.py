@@ -279,3 +279,34 @@ def test_the_search_again_loop_gives_up_saying_by_how_much(monkeypatch):
                      r"round 1: .*\(the compiler refused it\)") as e:
     tapas.search(_sgd, *BIG, mesh={"data": 2, "model": 2}, verify="v5p:2x2x1")
   assert e.value.budget_bytes == 16 * 2**20 and e.value.leanest_bytes == min(calls)
+
+
+def test_the_search_again_loop_tries_the_leanest_plan_when_the_compiler_needs_far_more(
+    monkeypatch):
+  # A compiler needing far more than the prediction (the TPU compiler needed 5x for an
+  # unrolled 80-layer LLaMA-3-70B; 20x here, as this program's plans are close in
+  # size): lowering the budget by what was missing leaves nothing, so the leanest plan
+  # the model knows is compiled next, and it fits.
+  mesh = {"data": 2, "model": 2}
+  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
+    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
+  leanest = lean.value.leanest_bytes
+  hbm = 20.5 * leanest
+  calls = []
+
+  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs):
+    peak = 20 * plan.stats.predicted_memory_bytes
+    calls.append(peak)
+    return verifylib.Verified(
+        plan_name=plan.name, target=topology, device_kind="TPU v5", num_devices=4,
+        argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=int(peak),
+        hbm_bytes=hbm, hbm_source="compiler", comm_bytes={"total": 0.0}, flops=1.0,
+        predicted_memory_bytes=plan.stats.predicted_memory_bytes,
+        predicted_comm_bytes=0.0, compile_s=0.0,
+        error="RESOURCE_EXHAUSTED: ..." if peak > hbm else "")
+
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  plan = tapas.search(_sgd, *BIG, mesh=mesh, memory_budget=float("inf"), verify="v5p:2x2x1")
+  assert calls[0] - hbm > calls[0] / 20, "round 1 leaves no budget to lower"
+  assert len(calls) == 2 and plan.compiled.fits
+  assert plan.stats.predicted_memory_bytes == pytest.approx(leanest, rel=1e-6)

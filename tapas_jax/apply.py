@@ -30,6 +30,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax import fences as fencelib
 from tapas_jax import fold as foldlib
 from tapas_jax import options
 from tapas_jax import plan as planlib
@@ -245,7 +246,11 @@ class _Applied:
       _check_program(plan, graph)
       jaxpr, consts = jx.open_jaxpr(closed)
       remat = _Recompute.of(plan, graph, pins)
-      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat)
+      fences = _fences(plan, graph, pins)
+      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat,
+                        fences=fences)
+      if fences is not None:
+        outs = fences.read(outs)
       # The next state stays where its input is stored, so the next step moves nothing.
       flat_in = jax.tree.leaves(in_shardings)
       for k, j in graph.carried:
@@ -315,6 +320,14 @@ def _committed_elsewhere(names: Sequence[str], values: Sequence[Any],
   return None
 
 
+def _fences(plan: planlib.Plan, graph, pins: Mapping) -> fencelib.Fences | None:
+  """The order the plan's memory figures assume for the layers' backward, or None."""
+  if not plan.gradient_fences:
+    return None
+  fences = fencelib.Fences(graph, foldlib.fold(graph), pins)
+  return fences if fences.at else None
+
+
 def _check_program(plan: planlib.Plan, graph) -> None:
   if graph.regions[0].fingerprint == plan.fingerprint:
     return
@@ -337,15 +350,16 @@ def _check_program(plan: planlib.Plan, graph) -> None:
 
 
 def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
-               remat: "_Recompute | None" = None, given: Mapping | None = None
-               ) -> list[Any]:
+               remat: "_Recompute | None" = None, given: Mapping | None = None,
+               fences: fencelib.Fences | None = None) -> list[Any]:
   """Evaluates a jaxpr, pinning the operands `pins` names; inlines call-like equations
   exactly as `trace` does, so equation sites match `Op.site`. With `remat`, backward
   equations of rematerialised layers read recomputed forward values, and the loops of
   rematerialised scanned stacks run rematerialised; a scan whose body holds pins (a
   stacked parameter gathered one layer per iteration) runs its body re-interpreted.
   `given`: site -> the outputs of the equation there, used instead of running it (saved
-  values a recomputation reads)."""
+  values a recomputation reads). With `fences`, each layer's backward hands its results
+  on only once the layer after it has made its own (`_Fences`)."""
   env: dict = {}
 
   def read(atom):
@@ -355,6 +369,8 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
   env.update(zip(jaxpr.invars, args))
   for here, eqn, _, call in jx.walk_eqns(jaxpr, site):  # as `trace` walks it
     invals = [read(a) for a in eqn.invars]
+    if fences is not None:
+      invals = fences.read(invals)
     if remat is not None:  # before the pins: a recomputed copy is read pinned too
       invals = remat.read(here, eqn, invals)
     for slot, sharding in pins.get(here, ()):
@@ -375,10 +391,12 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
         # with the forward it repeats and the user's memory saving would be lost.
         invals = _barrier(invals)
       outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat,
-                        given)
+                        given, fences)
     else:
       outs = jx.bind_eqn(eqn, invals)
     env.update(zip(eqn.outvars, outs))
+    if fences is not None:
+      fences.made(here, outs)
   return [read(a) for a in jaxpr.outvars]
 
 

@@ -67,6 +67,10 @@ class Plan:
     use_specs: (path, PartitionSpec) of every argument leaf the compute reads in
       another layout than it is stored in, every layer instance's (`layers` lists only
       each unique layer's first instance, for the report).
+    gradient_fences: `apply` has each unrolled layer's backward make its weight
+      gradients before the layer below's backward starts, as the memory model assumes
+      (set for profiles whose compiler reduces gradients as they are made; XLA:CPU's
+      holds them all to the end).
   """
 
   mesh_axes: Mapping[str, int]
@@ -85,6 +89,7 @@ class Plan:
   remat: tuple[tuple[str, str], ...] = ()
   compiled: CompiledFigures | None = None
   use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
+  gradient_fences: bool = False
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -325,6 +330,7 @@ def make_plan(folded: Folded, solution: Solution, args: Sequence[Any], search_s:
               fingerprint=g.regions[0].fingerprint, name=name, constraints=terms.constraints,
               kwargs_specs=kwargs_specs, input_types=tuple((i.path, i.type) for i in terms.inputs),
               decisions=terms.decisions, baselines=tuple(baselines), remat=terms.remat,
+              gradient_fences=terms.gradient_fences,
               use_specs=tuple((i.path, i.used) for i in terms.inputs if i.used is not None))
 
 

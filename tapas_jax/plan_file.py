@@ -237,6 +237,8 @@ def to_json(plan: Any) -> dict[str, Any]:
   }
   if plan.remat:  # only then: a plan without remat stays readable by older releases
     out["remat"] = [[layer, policy] for layer, policy in plan.remat]
+  if plan.gradient_fences:  # the same
+    out["gradient_fences"] = True
   if plan.use_specs:  # the same
     out["use_specs"] = [[p, _spec_json(s, "use_specs")] for p, s in plan.use_specs]
   if plan.compiled is not None:  # the same: only plans searched with verify= have it
@@ -405,7 +407,7 @@ def _jsonable(value: Any) -> bool:
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
-        "decisions", "baselines", "remat", "compiled", "use_specs"}
+        "decisions", "baselines", "remat", "compiled", "use_specs", "gradient_fences"}
 # Stats fields added after version 1's first files: absent from older ones.
 _LATER_STATS = frozenset({"plan_s", "report_s"})
 
@@ -435,6 +437,7 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
       constraints=_constraints(r, data), kwargs_specs=_kwargs_specs(r, data),
       input_types=_input_types(r, data), decisions=_decisions(r, data),
       baselines=_baselines(r, data), remat=_remat(r, data),
+      gradient_fences=_flag(r, data, "gradient_fences"),
       compiled=_compiled(r, data["compiled"]) if "compiled" in data else None,
       use_specs=(_path_specs(r, data["use_specs"], "use_specs") if "use_specs" in data
                  # older files: only each unique layer's first instance is known
@@ -575,6 +578,14 @@ def _baselines(r: _Reader, data: dict) -> tuple[records.BaselineFigures, ...]:
     out.append(records.BaselineFigures(
         name=r.string(r.field(b, "name", f"{where}.name"), f"{where}.name"), **figures))
   return tuple(out)
+
+
+def _flag(r: _Reader, data: dict, name: str) -> bool:
+  """An optional boolean field (older files have none: False)."""
+  value = data.get(name, False)
+  if not isinstance(value, bool):
+    raise r.fail(name, "true or false", value)
+  return value
 
 
 def _remat(r: _Reader, data: dict) -> tuple[tuple[str, str], ...]:

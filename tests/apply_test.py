@@ -1,6 +1,7 @@
 """apply: a plan runs as searched: the same numbers as unsharded, XLA's collectives as
 predicted, state kept where the plan stores it, and clear errors on a mismatch."""
 
+import dataclasses
 import functools
 
 import jax
@@ -54,6 +55,37 @@ def test_applied_step_computes_the_same_numbers(family, kind, two_steps):
   for leaf, spec in zip(jax.tree.leaves(s1), jax.tree.leaves(plan.in_specs[0],
                                                              is_leaf=is_spec)):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), spec
+
+
+@pytest.mark.parametrize("family,kind,remat", [("gpt", "fsdp", "nothing_saveable"),
+                                               ("llama", "search", None)])
+def test_each_layers_backward_waits_for_the_gradients_of_the_layer_above(
+    family, kind, remat, two_steps):
+  """On a profile whose compiler reduces gradients as they are made (h100, the TPUs),
+  the plan has each unrolled layer's backward hand its cotangent down through one
+  barrier with the layer above's gradients (`tapas_jax.fences`): one per layer but the
+  top one (nothing above it is pending) and the lowest (it hands down to no layer).
+  The TPU compiler otherwise makes every layer's weight gradients after the whole
+  backward at scale (BENCHMARKS.md); the numbers stay the unsharded step's."""
+  layers = 4
+  m = models.get_model(family, "tiny", num_layers=layers)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  if kind == "search":
+    plan = tapas.search(*args, mesh=MESH, device="h100")
+  else:
+    plan = baselines.baseline(kind, *args, mesh=MESH, device="h100", family=family,
+                              remat=remat)
+  assert plan.gradient_fences
+  assert not tapas.search(*args, mesh=MESH, device="cpu").gradient_fences  # XLA:CPU's
+  # combiner holds every gradient to the end, as the cpu profile's memory model does.
+
+  def barriers(p):
+    text = tapas.apply(p, m.train_step()).lower(*args[1:]).as_text()
+    return text.count("stablehlo.optimization_barrier")
+
+  assert barriers(plan) - barriers(dataclasses.replace(plan, gradient_fences=False)) \
+      == layers - 2
+  two_steps(plan, m, 8)
 
 
 def _compiled(plan, step, state, batch, constrained):

@@ -36,7 +36,7 @@ STAGES = (
     ("tapas_jax.plan_records",),
     ("tapas_jax.plan_file",),
     ("tapas_jax.plan",),
-    ("tapas_jax.apply",),
+    ("tapas_jax.apply", "tapas_jax.fences"),
     ("tapas_jax.measure",),
     ("tapas_jax.verify",),
     ("tapas_jax.api",),

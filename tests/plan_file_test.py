@@ -274,3 +274,21 @@ def test_every_instances_use_specs_round_trip_and_older_files_read_the_layers(tm
   (tmp_path / "old.json").write_text(json.dumps(data))
   assert tapas.Plan.load(tmp_path / "old.json").use_specs == tuple(first)
   assert "use_specs" not in plan_file.to_json(small_plan())  # older readers: no new field
+
+
+def test_gradient_fences_round_trip_and_older_files_read_without_them(tmp_path):
+  plan = small_plan()  # h100: its compiler reduces gradients as they are made
+  assert plan.gradient_fences
+  data = plan_file.to_json(plan)
+  assert data["gradient_fences"] is True
+  assert "gradient_fences" not in plan_file.to_json(
+      dataclasses.replace(plan, gradient_fences=False))  # older readers: no new field
+  del data["gradient_fences"]  # a file written before the field
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert tapas.Plan.load(tmp_path / "old.json") == dataclasses.replace(
+      plan, gradient_fences=False)
+  data["gradient_fences"] = "yes"
+  (tmp_path / "bad.json").write_text(json.dumps(data))
+  with pytest.raises(plan_file.PlanFileError,
+                     match=r"gradient_fences: expected true or false, got \"yes\""):
+    tapas.Plan.load(tmp_path / "bad.json")

@@ -63,7 +63,8 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
       device=problem.profile.name, inputs=tuple(inputs),
       constraints=_constraints(problem, choice, fixed),
       decisions=_decisions(problem, choice, reasons), class_axes=_class_axes(problem, choice),
-      remat=rematlib.policy_names(folded, remat) if remat else ())
+      remat=rematlib.policy_names(folded, remat) if remat else (),
+      gradient_fences=math.isfinite(problem.profile.combine_threshold_bytes))
 
 
 def _class_axes(problem: Problem, choice: Choice) -> tuple:

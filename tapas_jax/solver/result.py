@@ -126,6 +126,9 @@ class PlanTerms:
     class_axes: (dimension class example, size, mesh axes) of every class with axes,
       one per kind (copies of a layer alike), widest first.
     remat: (unique layer name, `jax.checkpoint` policy) of the layers rematerialised.
+    gradient_fences: whether the memory model has each layer's weight gradients made and
+      reduced before the backward moves on (the profile's combiner stops at a
+      threshold), which `apply` then enforces; XLA:CPU holds them all to the end.
   """
 
   mesh_axes: Mapping[str, int]
@@ -135,6 +138,7 @@ class PlanTerms:
   decisions: tuple[Decision, ...]
   class_axes: tuple[tuple[str, int, tuple[str, ...]], ...]
   remat: tuple[tuple[str, str], ...] = ()
+  gradient_fences: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

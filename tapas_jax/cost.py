@@ -625,17 +625,22 @@ def _moves(state: _State, goal: _State, mesh: MeshSpec, profile: DeviceProfile, 
   def with_dim(base, i, axes):
     return base[:i] + (axes,) + base[i + 1 :]
 
+  if math.isfinite(profile.all_gather_as_all_reduce_above) and not all(is_prefix):
+    # Where the compiler lowers a gather over many devices as an all-reduce, XLA emits
+    # one gather over every axis the value sheds, on whichever dims they split (a
+    # weight split over model on one dim and data on the other gathers over all 64
+    # chips of an 8 x 8 mesh at once: an all-reduce), so that is the only gather.
+    new, shed = dims, ()
+    for i, axes in enumerate(dims):
+      keep = _common_prefix(axes, target[i]) if not is_prefix[i] else len(axes)
+      new, shed = with_dim(new, i, axes[:keep]), shed + axes[keep:]
+    shed = tuple(sorted(shed, key=mesh.axis_names.index))
+    yield (new, partial), all_gather(local_bytes(new), shed, mesh, profile)
   for i, axes in enumerate(dims):
     if not is_prefix[i]:
       # Gather the minor-most axis. Gathering several at once costs the same
-      # bytes with more α steps, so one at a time is never worse, except where the
-      # compiler lowers a gather over many devices as an all-reduce: XLA emits one
-      # gather over every axis a dim sheds, so that is the only move there.
-      if math.isfinite(profile.all_gather_as_all_reduce_above):
-        shed = len(axes) - _common_prefix(axes, target[i])
-        new = with_dim(dims, i, axes[:-shed])
-        yield (new, partial), all_gather(local_bytes(new), axes[-shed:], mesh, profile)
-      else:
+      # bytes with more α steps, so one at a time is never worse (but see above).
+      if not math.isfinite(profile.all_gather_as_all_reduce_above):
         new = with_dim(dims, i, axes[:-1])
         yield (new, partial), all_gather(local_bytes(new), axes[-1:], mesh, profile)
       for k in range(1, len(axes) + 1):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import styles  # tests/styles.py: train steps in common library styles
 import tapas_jax as tapas
-from tapas_jax import baselines, measure, models
+from tapas_jax import baselines, fences, fold, measure, models, trace
 
 MESH = {"data": 2, "model": 4}
 
@@ -86,6 +87,23 @@ def test_each_layers_backward_waits_for_the_gradients_of_the_layer_above(
   assert barriers(plan) - barriers(dataclasses.replace(plan, gradient_fences=False)) \
       == layers - 2
   two_steps(plan, m, 8)
+
+
+@pytest.mark.parametrize("style", sorted(styles.STYLES))
+def test_every_style_gets_a_fence_per_layer_boundary_of_its_backward(style):
+  """However the library writes its blocks (remat, per-op names, pytree modules, vmap
+  over stacked weights, a CNN), each unrolled layer's backward but the lowest hands
+  down one cotangent and leaves its gradients for the update; a scanned stack (one
+  loop) gets none."""
+  p = styles.STYLES[style](4)
+  graph = trace.trace(p.step, p.state, p.batch)
+  folded = fold.fold(graph)
+  at = fences.Fences(graph, folded, {}).at
+  if any(i.trip_count > 1 for i in folded.instances):
+    assert not at
+    return
+  assert len(folded.instances) == 4 and len(at) == 3
+  assert all(len(down) == 1 and results for down, results in at.values())
 
 
 def _compiled(plan, step, state, batch, constrained):

@@ -4,6 +4,7 @@ The TPU tests compile for TPU topologies through libtpu (no TPU attached); where
 cannot be loaded they skip, saying so.
 """
 
+import dataclasses
 import importlib
 import math
 import sys
@@ -310,3 +311,27 @@ def test_the_search_again_loop_tries_the_leanest_plan_when_the_compiler_needs_fa
   assert calls[0] - hbm > calls[0] / 20, "round 1 leaves no budget to lower"
   assert len(calls) == 2 and plan.compiled.fits
   assert plan.stats.predicted_memory_bytes == pytest.approx(leanest, rel=1e-6)
+
+
+def test_with_the_compiler_as_judge_a_default_budget_no_plan_fits_compiles_the_leanest(
+    monkeypatch):
+  # The default budget keeps 10% of the chip for the model's error: where no plan is
+  # predicted under it but the leanest is within the chip (LLaMA-3-8B unrolled on
+  # v6e-256: leanest 31.13 GiB, budget 28.12, usable 31.25), `verify=` compiles the
+  # leanest and the compiler decides. A budget the user gave stands.
+  mesh = {"data": 2, "model": 2}
+  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
+    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
+  leanest = lean.value.leanest_bytes
+  small = dataclasses.replace(tapas.cost.get_profile("tpu-v5p"), hbm_bytes=1.05 * leanest)
+  with pytest.raises(tapas.InfeasibleBudgetError):  # predicted over the default budget
+    tapas.search(_sgd, *BIG, mesh=mesh, device=small)
+  compile_for, calls = _fake_compiler(overhead=0.0, hbm=1.04 * leanest)
+  monkeypatch.setattr(verifylib, "verify", compile_for)
+  plan = tapas.search(_sgd, *BIG, mesh=mesh, device=small, verify="v5p:2x2x1")
+  assert len(calls) == 1 and plan.compiled.fits
+  assert plan.stats.predicted_memory_bytes == pytest.approx(leanest, rel=1e-6)
+  with pytest.raises(tapas.InfeasibleBudgetError):
+    tapas.search(_sgd, *BIG, mesh=mesh, device=small, verify="v5p:2x2x1",
+                 memory_budget=0.9 * leanest)
+  assert len(calls) == 1  # refused before any compile

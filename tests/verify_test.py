@@ -250,14 +250,19 @@ def _sgd(w, x):
   return w - 0.1 * g
 
 
+def _leanest(mesh) -> float:
+  """Predicted bytes of the leanest plan of `_sgd` on `BIG` (tpu-v5p)."""
+  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
+    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
+  return lean.value.leanest_bytes
+
+
 def test_the_search_again_loop_lowers_the_budget_by_what_was_missing(monkeypatch):
   # Independent of libtpu and of the memory model: the compiler is a stand-in that adds
   # almost all the room between the leanest plan and the budget.
   mesh = {"data": 2, "model": 2}
   free = tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=float("inf"))
-  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
-    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
-  leanest = lean.value.leanest_bytes
+  leanest = _leanest(mesh)
   budget = (free.stats.predicted_memory_bytes + leanest) / 2
   compile_for, calls = _fake_compiler(overhead=0.98 * (budget - leanest))
   monkeypatch.setattr(verifylib, "verify", compile_for)
@@ -289,9 +294,7 @@ def test_the_search_again_loop_tries_the_leanest_plan_when_the_compiler_needs_fa
   # size): lowering the budget by what was missing leaves nothing, so the leanest plan
   # the model knows is compiled next, and it fits.
   mesh = {"data": 2, "model": 2}
-  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
-    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
-  leanest = lean.value.leanest_bytes
+  leanest = _leanest(mesh)
   hbm = 20.5 * leanest
   calls = []
 
@@ -320,9 +323,7 @@ def test_with_the_compiler_as_judge_a_default_budget_no_plan_fits_compiles_the_l
   # v6e-256: leanest 31.13 GiB, budget 28.12, usable 31.25), `verify=` compiles the
   # leanest and the compiler decides. A budget the user gave stands.
   mesh = {"data": 2, "model": 2}
-  with pytest.raises(tapas.InfeasibleBudgetError) as lean:
-    tapas.search(_sgd, *BIG, mesh=mesh, device="tpu-v5p", memory_budget=1024)
-  leanest = lean.value.leanest_bytes
+  leanest = _leanest(mesh)
   small = dataclasses.replace(tapas.cost.get_profile("tpu-v5p"), hbm_bytes=1.05 * leanest)
   with pytest.raises(tapas.InfeasibleBudgetError):  # predicted over the default budget
     tapas.search(_sgd, *BIG, mesh=mesh, device=small)

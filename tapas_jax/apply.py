@@ -245,8 +245,10 @@ class _Applied:
           fn, *flat[:num_positional], kwargs=dict(zip(names, flat[num_positional:])))
       _check_program(plan, graph)
       jaxpr, consts = jx.open_jaxpr(closed)
-      remat = _Recompute.of(plan, graph, pins)
-      fences = _fences(plan, graph, pins)
+      # The layers, for the plan's remat and the backward's order: folded once.
+      folded = foldlib.fold(graph) if plan.remat or plan.gradient_fences else None
+      remat = _Recompute.of(plan, graph, folded, pins)
+      fences = _fences(plan, graph, folded, pins)
       outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat,
                         fences=fences)
       if fences is not None:
@@ -320,11 +322,11 @@ def _committed_elsewhere(names: Sequence[str], values: Sequence[Any],
   return None
 
 
-def _fences(plan: planlib.Plan, graph, pins: Mapping) -> fencelib.Fences | None:
+def _fences(plan: planlib.Plan, graph, folded, pins: Mapping) -> fencelib.Fences | None:
   """The order the plan's memory figures assume for the layers' backward, or None."""
   if not plan.gradient_fences:
     return None
-  fences = fencelib.Fences(graph, foldlib.fold(graph), pins)
+  fences = fencelib.Fences(graph, folded, pins)
   return fences if fences.at else None
 
 
@@ -359,7 +361,7 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
   stacked parameter gathered one layer per iteration) runs its body re-interpreted.
   `given`: site -> the outputs of the equation there, used instead of running it (saved
   values a recomputation reads). With `fences`, each layer's backward hands its results
-  on only once the layer after it has made its own (`_Fences`)."""
+  on only once the layer after it has made its own (`tapas_jax.fences`)."""
   env: dict = {}
 
   def read(atom):
@@ -481,10 +483,9 @@ class _Recompute:
     self.kept: dict[int, dict[int, Any]] = {}
 
   @classmethod
-  def of(cls, plan: planlib.Plan, graph, pins) -> "_Recompute | None":
+  def of(cls, plan: planlib.Plan, graph, folded, pins) -> "_Recompute | None":
     if not plan.remat:
       return None
-    folded = foldlib.fold(graph)
     names = {u.name: u.index for u in folded.unique_layers}
     remats = []
     for layer, policy in plan.remat:

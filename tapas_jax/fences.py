@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding
 
-__all__ = ["Fences", "backward_run"]
+__all__ = ["Fences"]
 
 
 class Fences:
@@ -56,7 +56,7 @@ class Fences:
     for inst in folded.instances:
       if inst.trip_count > 1:
         continue
-      run = backward_run(inst, top, pos, owner, graph)
+      run = _backward_run(inst, top, pos, owner, graph)
       if not run:
         continue
       mine = set(run)
@@ -99,8 +99,8 @@ class Fences:
     self.pending = results
 
 
-def backward_run(inst, top, pos: Mapping[int, int], owner: Mapping[int, int],
-                 graph) -> list[int]:
+def _backward_run(inst, top, pos: Mapping[int, int], owner: Mapping[int, int],
+                  graph) -> list[int]:
   """The ops of a layer instance's backward, in program order: the run of its ops
   (runs split by another layer's ops, or by more than a few of the glue's) that hands
   a value on to a layer below, after the forward; empty where there is none (a

@@ -9,7 +9,7 @@ intermediates live at the activation peak (outputs that replace donated state ta
 state's buffers; other outputs live to the end).
 
   python scripts/bench_memory.py                      # tiny configs, search + baselines
-  python scripts/bench_memory.py --config small       # SMALL below: real widths, 2 layers
+  python scripts/bench_memory.py --config small       # models.SMALL: real widths, 2 layers
   python scripts/bench_memory.py --models gpt --config gpt2-small --set num_layers=2
   python scripts/bench_memory.py --config small --plans search,search-no-sp
       # the search with and without sequence parallelism, side by side
@@ -37,19 +37,7 @@ MESH = {"data": 2, "model": 4}
 # a GPT-2-small-width MoE, a ResNet with one bottleneck block per stage), trimmed to
 # two layers (one block per stage) and short sequences so each compile takes under a
 # minute on a 2-core CPU. The nnx families trace to the same programs as gpt/llama.
-SMALL = {
-    "gpt": ("gpt2-small", {"num_layers": 2, "seq_len": 256}),
-    "llama": ("llama3-8b", {"num_layers": 2, "seq_len": 256, "vocab_size": 32000,
-                            "d_model": 768, "num_heads": 12, "num_kv_heads": 4,
-                            "d_ff": 2048}),
-    "t5": ("t5-base", {"num_encoder_layers": 2, "num_decoder_layers": 2, "enc_len": 256,
-                       "dec_len": 64, "d_model": 512, "num_heads": 8, "d_kv": 64,
-                       "d_ff": 2048}),
-    "vit": ("vit-b16", {"num_layers": 2}),
-    "moe": ("moe-64e", {"num_layers": 2, "seq_len": 256, "d_model": 768,
-                        "num_heads": 12, "d_ff": 3072, "num_experts": 8}),
-    "resnet": ("resnet-50", {"stage_sizes": (1, 1, 1, 1), "image_size": 64}),
-}
+SMALL = models.SMALL
 
 
 def compiled_memory(plan, step, state, batch, mesh) -> measure.Compiled:

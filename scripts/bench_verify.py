@@ -1,9 +1,11 @@
 """Predicted memory and bytes sent next to the TPU compiler's (libtpu's ahead-of-time
 compile; no TPU needed).
 
-The zoo at its tiny configs on a v5p:2x2x1 topology:
+The zoo at its tiny configs on a v5p:2x2x1 topology, and at its small ones
+(`models.SMALL`: real widths, two layers):
 
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --batch=8
+  JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --zoo_config=small
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:4x4x4 --mesh=data:8,model:8 \
       --batch=64 --layouts=data_parallel,fsdp,megatron
 
@@ -52,13 +54,18 @@ _SHORT = {"all-gather": "ag", "all-reduce": "ar", "reduce-scatter": "rs", "all-t
 
 
 def zoo(a, mesh):
-  print(f"jax {jax.__version__}; topology {a.topology}; mesh {mesh}; batch {a.batch}")
+  print(f"jax {jax.__version__}; zoo at {a.zoo_config}; topology {a.topology}; mesh {mesh}; "
+        f"batch {a.batch}; profile {a.device}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
         "pred / comp | live MiB | pred / live | predicted sent KiB | compiled sent KiB ("
         + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
-  for family in a.families.split(","):
-    m = models.get_model(family, "tiny")
+  families = a.families or ",".join(models.SMALL if a.zoo_config == "small"
+                                    else models.FAMILIES)
+  for family in families.split(","):
+    config, trimmed = (models.SMALL[family] if a.zoo_config == "small"
+                       else (a.zoo_config, {}))
+    m = models.get_model(family, config, **trimmed)
     args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
     for layout in a.layouts.split(","):
       try:
@@ -151,9 +158,13 @@ def main():
   p.add_argument("--mesh", default=None, help="data:2,model:2 (zoo), data:8,model:8 (real)")
   p.add_argument("--device", default="tpu-v5p")
   p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--families", default=",".join(sorted(models.FAMILIES)))
+  p.add_argument("--families", default=None,
+                 help="default: the zoo (with --zoo_config=small, models.SMALL's)")
   p.add_argument("--layouts", default=None)
-  p.add_argument("--config", default="llama3-8b")
+  p.add_argument("--config", default="llama3-8b", help="--real: the LLaMA config")
+  p.add_argument("--zoo_config", default="tiny",
+                 help="the zoo's config: 'tiny', or 'small' (models.SMALL: real widths, "
+                 "two layers)")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--per_device_batch", type=int, default=3)

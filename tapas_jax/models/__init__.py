@@ -30,8 +30,26 @@ _FAMILY_MODULES = {
 }
 FAMILIES = tuple(sorted(_FAMILY_MODULES))
 
-__all__ = ["FAMILIES", "Family", "TrainState", "ZooModel", "get_family", "get_model",
+__all__ = ["FAMILIES", "SMALL", "Family", "TrainState", "ZooModel", "get_family", "get_model",
            "override"]
+
+
+# The zoo at its small configs: each family's real widths, two layers (a ResNet's
+# stages one block each), short sequences: (named config, overrides). What the
+# memory benchmarks compile where a real-size config would take too long.
+SMALL = {
+    "gpt": ("gpt2-small", {"num_layers": 2, "seq_len": 256}),
+    "llama": ("llama3-8b", {"num_layers": 2, "seq_len": 256, "vocab_size": 32000,
+                            "d_model": 768, "num_heads": 12, "num_kv_heads": 4,
+                            "d_ff": 2048}),
+    "t5": ("t5-base", {"num_encoder_layers": 2, "num_decoder_layers": 2, "enc_len": 256,
+                       "dec_len": 64, "d_model": 512, "num_heads": 8, "d_kv": 64,
+                       "d_ff": 2048}),
+    "vit": ("vit-b16", {"num_layers": 2}),
+    "moe": ("moe-64e", {"num_layers": 2, "seq_len": 256, "d_model": 768,
+                        "num_heads": 12, "d_ff": 3072, "num_experts": 8}),
+    "resnet": ("resnet-50", {"stage_sizes": (1, 1, 1, 1), "image_size": 64}),
+}
 
 
 def get_family(name: str) -> Family:

@@ -353,9 +353,10 @@ class Collective:
     bytes_sent_per_device: ring-accounted bytes each device sends.
     time_s: α · steps + bytes / slowest-link bandwidth.
     sent_as: the collective the compiler emits for it, whose bytes and time these are
-      (the TPU compiler's all-gathers over more than 32 chips and its reduce-scatters
-      are all-reduces: `DeviceProfile.all_gather_as_all_reduce_above`); `kind` if ""
-      (the default).
+      (the TPU compiler's all-gathers over more than 32 chips, on v5e and v6e those
+      into at most 16 MiB, and its reduce-scatters are all-reduces:
+      `DeviceProfile.all_gather_as_all_reduce_above`,
+      `all_gather_as_all_reduce_up_to_bytes`); `kind` if "" (the default).
 
   Example:
     >>> m = MeshSpec(("data",), (64,), ("intra",))
@@ -390,7 +391,7 @@ def _collective(
   # Ring: an all-reduce is a reduce-scatter plus an all-gather, twice the
   # steps and twice the bytes of either. A gather or reduce-scatter the compiler
   # runs as an all-reduce of the same buffer (`sent_as`) is priced as that.
-  sent_as = _lowered(kind, n, profile)
+  sent_as = _lowered(kind, n, local_bytes, profile)
   factor = 2 if sent_as == ALL_REDUCE else 1
   sent = factor * (n - 1) / n * local_bytes
   if kind == ALL_TO_ALL or len(axes) == 1:
@@ -402,10 +403,12 @@ def _collective(
                     sent_as)
 
 
-def _lowered(kind: str, n: int, profile: DeviceProfile) -> str:
-  """The collective the compiler emits for `kind` over `n` devices (`DeviceProfile`'s
-  `all_gather_as_all_reduce_above`, `reduce_scatter_as_all_reduce`)."""
-  if kind == ALL_GATHER and n > profile.all_gather_as_all_reduce_above:
+def _lowered(kind: str, n: int, local_bytes: float, profile: DeviceProfile) -> str:
+  """The collective the compiler emits for `kind` over `n` devices of a `local_bytes`
+  buffer (`DeviceProfile`'s `all_gather_as_all_reduce_above`,
+  `all_gather_as_all_reduce_up_to_bytes`, `reduce_scatter_as_all_reduce`)."""
+  if (kind == ALL_GATHER and n > profile.all_gather_as_all_reduce_above
+      and local_bytes <= profile.all_gather_as_all_reduce_up_to_bytes):
     return ALL_REDUCE  # of a zero-filled buffer holding the shard
   if kind == REDUCE_SCATTER and profile.reduce_scatter_as_all_reduce:
     return ALL_REDUCE  # then a slice

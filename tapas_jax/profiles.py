@@ -91,6 +91,15 @@ class DeviceProfile:
       v5e:8x8 or v6e:8x8 is an all-reduce, over 32 of v5p:4x4x2 or v5e:4x8 an
       all-gather, whatever the dim, dtype or loop; BENCHMARKS.md "How the TPU compiler
       lowers a gather"). Unbounded elsewhere.
+    all_gather_as_all_reduce_up_to_bytes: of those gathers over more devices, the
+      largest result (bytes per device) still run as an all-reduce; a bigger one is an
+      all-gather. The TPU compiler on the chips of a 2-D torus (v5e, v6e) gathers more
+      than 16 MiB with an all-gather, on a 3-D one (v4, v5p) with an all-reduce at any
+      size (libtpu 0.0.42.1 and 0.0.50.1, a bf16 or f32 array gathered whole over 64,
+      128 or 256 chips: all-reduce up to 16 MiB, all-gather from 17 MiB on v5e:8x8,
+      v6e:8x8, v6e:8x16, v5e:16x16, v6e:16x16; all-reduce up to 112 MiB on v4:4x4x4,
+      v5p:4x4x4, v5p:4x8x8, v5p:8x8x8; BENCHMARKS.md "Gathers over more than 32
+      chips"). Unbounded elsewhere.
     reduce_scatter_as_all_reduce: whether the compiler leaves a partial sum read as
       1/n slices an all-reduce of the whole value and slices it, sending an
       all-reduce's bytes where a reduce-scatter sends half. The TPU compiler does (the
@@ -102,6 +111,11 @@ class DeviceProfile:
       (`peak_flops_f32`) and converts the shard before the gather, half the bytes. The
       TPU compiler does (the same libtpu versions: FSDP's f32 kernels of the tiny zoo
       gathered as bf16, its f32 norm scales and embedding table as f32).
+    stores_dot_operands_in_bf16: whether the compiler writes an f32 value read only by
+      dots at DEFAULT precision (directly or through values fused into them) in bf16,
+      converted as it is made: the same single bf16 pass, half the bytes held. The TPU
+      compiler does (libtpu 0.0.42.1: the tiny zoo's f32 queries, keys, values and MLP
+      activations are bf16 buffers in its buffer assignment).
     reassociates_all_reduces: whether the compiler adds partial sums before reducing
       them, one all-reduce of the sum where each operand would have had its own (XLA's
       all-reduce reassociation). The TPU compiler does (the same libtpu versions:
@@ -138,8 +152,10 @@ class DeviceProfile:
   combine_threshold_bytes: float = 30 * 2**20
   dot_operand_fusion: bool = False
   all_gather_as_all_reduce_above: float = math.inf
+  all_gather_as_all_reduce_up_to_bytes: float = math.inf
   reduce_scatter_as_all_reduce: bool = False
   gathers_dot_operands_in_bf16: bool = False
+  stores_dot_operands_in_bf16: bool = False
   reassociates_all_reduces: bool = False
   memory_tile: tuple[int, int] = ()
   buffer_granule_bytes: int = 1
@@ -156,8 +172,12 @@ class DeviceProfile:
 # How the TPU compiler lowers collectives (the fields' doc): one compiler, every generation.
 _TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all_reduce=True,
                         gathers_dot_operands_in_bf16=True, reassociates_all_reduces=True)
+# The chips of a 2-D torus (v5e, v6e) gather big arrays over many chips with an all-gather
+# (the field's doc).
+_TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
-_TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512)
+_TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
+                    stores_dot_operands_in_bf16=True)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -212,6 +232,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_2D_GATHERS,
         **_TPU_STORAGE,
     ),
     "tpu-v5p": DeviceProfile(
@@ -260,6 +281,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_domain_size=256,
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
+        **_TPU_2D_GATHERS,
         **_TPU_STORAGE,
     ),
     "a100": DeviceProfile(
@@ -345,9 +367,10 @@ PROFILES: dict[str, DeviceProfile] = {
 # lowered), not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
                     "combine_threshold_bytes", "dot_operand_fusion",
-                    "all_gather_as_all_reduce_above", "reduce_scatter_as_all_reduce",
+                    "all_gather_as_all_reduce_above", "all_gather_as_all_reduce_up_to_bytes",
+                    "reduce_scatter_as_all_reduce",
                     "gathers_dot_operands_in_bf16", "reassociates_all_reduces",
-                    "memory_tile", "buffer_granule_bytes")
+                    "memory_tile", "buffer_granule_bytes", "stores_dot_operands_in_bf16")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

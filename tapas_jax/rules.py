@@ -79,7 +79,7 @@ from tapas_jax.op_rule import norm_axis as _norm_axis
 from tapas_jax.op_rule import unsplit as _unsplit
 
 __all__ = ["DEFAULT_FACTS", "ELEMENTWISE", "FACTS", "Facts", "IDENTITY", "OpRule", "RULES",
-           "STRICT_ENV", "Shape", "default_rule", "facts", "is_strict", "register", "rule_for",
+           "STRICT_ENV", "Shape", "default_precision_dot", "default_rule", "facts", "is_strict", "register", "rule_for",
            "rule_of", "strict_rules"]
 
 
@@ -206,6 +206,19 @@ def _dot_general(params, ins, outs) -> OpRule:
     contracting.append(lhs_dims[ld])
   flops = 2 * _size(outs[0]) * math.prod(lhs[ld] for ld in lc)
   return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
+
+
+def default_precision_dot(op) -> bool:
+  """Whether `op` (a `trace.Op`) is a dot_general at DEFAULT precision (no `precision`,
+  or DEFAULT for both operands): one a TPU runs as a single bf16 pass, whatever the
+  operands' type."""
+  if op.primitive != "dot_general":
+    return False
+  precision = op.raw_params.get("precision")
+  if precision is None:
+    return True
+  parts = precision if isinstance(precision, tuple | list) else (precision,)
+  return all(x is None or str(x).upper().endswith("DEFAULT") for x in parts)
 
 
 @register("conv_general_dilated", facts=_CONTRACTS)

@@ -68,12 +68,14 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
   layout = lambda p: (p.reduce_scatter, p.canonical_convolutions,  # noqa: E731
                        p.reductions_duplicate, p.combine_threshold_bytes,
                        p.dot_operand_fusion, p.all_gather_as_all_reduce_above,
+                       p.all_gather_as_all_reduce_up_to_bytes,
                        p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16,
-                       p.reassociates_all_reduces, p.memory_tile, p.buffer_granule_bytes)
+                       p.reassociates_all_reduces, p.memory_tile, p.buffer_granule_bytes,
+                       p.stores_dot_operands_in_bf16)
   assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
-                                           False, False, False, (), 1)
-  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, True, True, True,
-                          (8, 128), 512)
+                                           math.inf, False, False, False, (), 1, False)
+  assert layout(base) == (True, False, True, 30 * 2**20, True, 32, math.inf, True, True, True,
+                          (8, 128), 512, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
@@ -81,7 +83,8 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                              reduce_scatter_as_all_reduce=True,
                              gathers_dot_operands_in_bf16=True,
                              reassociates_all_reduces=True, memory_tile=(8, 128),
-                             buffer_granule_bytes=512) == base
+                             buffer_granule_bytes=512,
+                             stores_dot_operands_in_bf16=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 
@@ -490,7 +493,8 @@ def test_v6e_is_the_memory_the_tpu_compiler_reports():
 
 
 # How the TPU compiler lowers collectives (tests/measure_test.py compiles it): a gather
-# over more than 32 chips and every reduce-scatter are all-reduces of the same buffer.
+# over more than 32 chips and every reduce-scatter are all-reduces of the same buffer
+# (on v5e and v6e, a gather into more than 16 MiB is a gather).
 @pytest.mark.parametrize("profile,kind,axes,sent_as,factor", [
     ("tpu-v5p", "all-gather", ("data", "model"), "all-reduce", 2),  # 64 chips
     ("tpu-v5p", "all-gather", ("model",), "all-gather", 1),  # 8
@@ -514,6 +518,22 @@ def test_a_collective_is_priced_as_the_compiler_lowers_it(profile, kind, axes, s
     assert c.time_s == pytest.approx(ar.time_s)
   elif kind != "all-to-all":  # one ring, not two
     assert c.time_s < ar.time_s
+
+
+@pytest.mark.parametrize("profile,nbytes,sent_as", [
+    ("tpu-v5p", 16 * 2**20, "all-reduce"),
+    ("tpu-v5p", 112 * 2**20, "all-reduce"),
+    ("tpu-v4", 112 * 2**20, "all-reduce"),
+    ("tpu-v6e", 16 * 2**20, "all-reduce"),
+    ("tpu-v6e", 17 * 2**20, "all-gather"),
+    ("tpu-v5e", 112 * 2**20, "all-gather"),
+])
+def test_big_gathers_over_many_chips_are_gathers_on_a_2d_torus(profile, nbytes, sent_as):
+  mesh = cost.MeshSpec(("data", "model"), (8, 8), ("intra", "intra"))
+  c = cost.all_gather(nbytes, ("data", "model"), mesh, profile)
+  assert c.sent_as == sent_as
+  assert c.bytes_sent_per_device == pytest.approx(
+      (2 if sent_as == "all-reduce" else 1) * 63 / 64 * nbytes)
 
 
 @pytest.mark.parametrize("profile,steps", [

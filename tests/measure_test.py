@@ -1,6 +1,7 @@
 """measure: collective bytes read off partitioned HLO, with the cost model's ring accounting."""
 
 import importlib
+import math
 import re
 
 import jax
@@ -262,25 +263,36 @@ def _kinds(text):
 BOTH = ("data", "model")
 
 
-@pytest.mark.parametrize("topology,sizes,axes,dim,kind", [
-    ("v5p:4x4x4", (8, 8), BOTH, 0, "all-reduce"),  # 64 chips: a zero-filled buffer reduced
-    ("v5p:4x4x4", (8, 8), BOTH, 1, "all-reduce"),
-    ("v5e:8x8", (8, 8), BOTH, 0, "all-reduce"),
-    ("v5p:4x4x4", (8, 8), "model", 0, "all-gather"),
-    ("v5p:4x4x2", (1, 32), BOTH, 1, "all-gather"),  # 32 chips: still a gather
-    ("v5p:2x2x1", (2, 2), BOTH, 0, "all-gather"),
+@pytest.mark.parametrize("topology,sizes,axes,dim,rows,kind", [
+    ("v5p:4x4x4", (8, 8), BOTH, 0, 1024, "all-reduce"),  # 64 chips: a zero-filled buffer
+    ("v5p:4x4x4", (8, 8), BOTH, 1, 1024, "all-reduce"),  # reduced
+    ("v5e:8x8", (8, 8), BOTH, 0, 1024, "all-reduce"),
+    ("v5p:4x4x4", (8, 8), "model", 0, 1024, "all-gather"),
+    ("v5p:4x4x2", (1, 32), BOTH, 1, 1024, "all-gather"),  # 32 chips: still a gather
+    ("v5p:2x2x1", (2, 2), BOTH, 0, 1024, "all-gather"),
+    # Gathered into more than 16 MiB: a gather on a 2-D torus (v5e, v6e), still an
+    # all-reduce on a 3-D one (v5p).
+    ("v6e:8x8", (8, 8), BOTH, 0, 4096, "all-reduce"),  # 16 MiB
+    ("v6e:8x8", (8, 8), BOTH, 0, 4352, "all-gather"),  # 17 MiB
+    ("v5e:8x8", (8, 8), BOTH, 1, 4352, "all-gather"),
+    ("v5p:4x4x4", (8, 8), BOTH, 0, 8192, "all-reduce"),  # 32 MiB
 ])
 def test_the_tpu_compiler_gathers_over_more_than_32_chips_as_an_all_reduce(
-    libtpu, topology, sizes, axes, dim, kind):
+    libtpu, topology, sizes, axes, dim, rows, kind):
   spec = P(*[axes if d == dim else None for d in range(2)])
   text = _tpu_compile(topology, sizes, lambda x: jnp.sin(x) * 2, (spec,), P(),
-                      ((1024, 1024), jnp.float32))
-  assert _kinds(text) == [(kind, "f32[1024,1024]")]
+                      ((rows, 1024), jnp.float32))
+  # One collective of the whole array (an all-gather may write it as [n, rows / n, ...]).
+  assert [k for k, _ in _kinds(text)] == [kind], _kinds(text)
+  shape = _kinds(text)[0][1]
+  assert shape.startswith("f32[") and math.prod(
+      int(x) for x in shape[4:-1].split(",")) == rows * 1024, shape
   n = 1
   for a in (axes,) if isinstance(axes, str) else axes:
     n *= dict(zip(BOTH, sizes))[a]
   mesh = cost.MeshSpec(BOTH, sizes, ("intra", "intra"))
-  modelled = cost.all_gather(4 * 2**20, axes, mesh, profiles.profile_for_topology(topology))
+  modelled = cost.all_gather(rows * 4 * 1024, axes, mesh,
+                             profiles.profile_for_topology(topology))
   assert modelled.sent_as == kind
   sent = measure.collective_bytes(text, n, reduce_scatter_creator=False)["total"]
   assert sent == pytest.approx(modelled.bytes_sent_per_device)

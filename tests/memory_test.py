@@ -3,6 +3,7 @@ plan splits them, and how close that comes to what XLA allocates."""
 
 import dataclasses
 import functools
+import importlib
 import re
 
 import jax
@@ -16,6 +17,8 @@ from tapas_jax import baselines, cost, measure, models, trace
 from tapas_jax.solver import build_problem, experts, fusion, memory
 from tapas_jax.solver.tables import evaluate_tables
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+verifylib = importlib.import_module("tapas_jax.verify")  # tapas.verify is the function
 
 MESH = {"data": 2, "model": 4}
 F32 = jnp.float32
@@ -619,9 +622,13 @@ def test_the_zoo_s_state_is_what_the_tpu_compiler_allocates(libtpu, family):
 
 def test_the_zoo_s_llama_plan_agrees_with_the_tpu_compiler(libtpu):
   # A regression pin, not the issue's 10% on every line: LLaMA tiny, batch 64, the
-  # searched plan over v5p:2x2x1, predicted 26.38 MiB with the TPU compiler's tiles
-  # (17.78 without). Against the compiler's live peak (what `verify` judges a TPU
-  # program by): 25.62 MiB on libtpu 0.0.42.1 (1.03), 23.61 on 0.0.50.1 (1.12, over).
+  # searched plan over v5p:2x2x1, predicted 22.38 MiB with the TPU compiler's tiles and
+  # its f32 values read only by dots held in bf16 (26.38 with them in f32, 17.78
+  # without tiles). Against the compiler's live peak (what `verify` judges a TPU
+  # program by): 25.62 MiB on libtpu 0.0.42.1 (0.87), 23.61 on 0.0.50.1 (0.95). That
+  # peak also counts the compiler's prefetch copies into on-chip memory (VMEM, memory
+  # space 1: 26.3 MiB of allocations here); its HBM space (the buffer assignment's
+  # memory-usage report on 0.0.42.1) totals 20.61 MiB, which the prediction is 1.09 of.
   # memory_analysis's sum moves more between the lines (25.82 and 29.93 MiB).
   del libtpu
   m = models.get_model("llama", "tiny")
@@ -629,4 +636,60 @@ def test_the_zoo_s_llama_plan_agrees_with_the_tpu_compiler(libtpu):
   plan = tapas.search(*args, mesh={"data": 2, "model": 2}, device="tpu-v5p")
   record = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1", donate_argnums=0)
   assert record.live_peak_bytes < record.peak_bytes
-  assert 0.95 <= record.live_ratio <= 1.15, record.live_ratio
+  assert 0.85 <= record.live_ratio <= 1.1, record.live_ratio
+
+
+def _two_dots_step(w1, w2, x):
+  """Two f32 dots at DEFAULT precision: their hidden value (a bias added) is read only
+  by dots, the forward's and the second kernel's gradient."""
+  def loss(w1, w2):
+    h = x @ w1 + 1.0
+    return jnp.sum(jnp.tanh(h @ w2))
+  g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+  return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+TWO_DOTS = (jax.ShapeDtypeStruct((512, 512), F32), jax.ShapeDtypeStruct((512, 512), F32),
+            jax.ShapeDtypeStruct((4 * 4096, 512), F32))
+
+
+def _narrowed_bytes(fn, *args):
+  """Per-device bytes of intermediates a data-parallel plan over 4 devices holds less
+  on tpu-v5p than on the same profile storing every f32 value in f32."""
+  peaks = []
+  for narrow in (True, False):
+    profile = dataclasses.replace(cost.get_profile("tpu-v5p"),
+                                  stores_dot_operands_in_bf16=narrow)
+    stats = baselines.baseline("data_parallel", fn, *args, mesh={"data": 4},
+                               device=profile).stats
+    peaks.append(stats.predicted_memory_bytes - stats.predicted_state_bytes)
+  return peaks[1] - peaks[0]
+
+
+def test_an_f32_value_read_only_by_dots_is_held_in_bf16_on_tpu_profiles():
+  # The TPU compiler runs an f32 dot at DEFAULT precision as one bf16 pass and writes
+  # a value read only by such dots as bf16 (`stores_dot_operands_in_bf16`): the hidden
+  # value and the cotangent of `h @ w2`, 8 MiB each per device in f32 over data 4, are
+  # held in 4 MiB each.
+  assert _narrowed_bytes(_two_dots_step, *TWO_DOTS) == 8 * 2**20
+  precise = functools.partial(_two_dots_step_at, jax.lax.Precision.HIGHEST)
+  assert _narrowed_bytes(precise, *TWO_DOTS) == 0  # dots in f32: nothing narrowed
+
+
+def _two_dots_step_at(precision, w1, w2, x):
+  with jax.default_matmul_precision(str(precision).rpartition(".")[2].lower()):
+    return _two_dots_step(w1, w2, x)
+
+
+def test_the_tpu_compiler_writes_an_f32_value_read_only_by_dots_in_bf16(libtpu):
+  # The fact the profile states, in the compiled program (v5p:2x2x1, data parallel):
+  # the two values are made as bf16[4096,512] by the dots' fusions (libtpu 0.0.42.1,
+  # 0.0.50.1); the rest of the program is f32.
+  del libtpu
+  plan = baselines.baseline("data_parallel", _two_dots_step, *TWO_DOTS, mesh={"data": 4},
+                            device="tpu-v5p")
+  step = tapas.apply(plan, _two_dots_step, mesh=verifylib.tpu_mesh("v5p:2x2x1", {"data": 4}))
+  text = step.lower(*TWO_DOTS).compile().as_text()
+  entry = text[text.index("ENTRY"):]
+  made = re.findall(r"= (bf16|f32)\[4096,512\]\S* fusion\(", entry)
+  assert made.count("bf16") == 2, made

@@ -132,7 +132,8 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
     not recompute their operands (`reductions_duplicate`); the TPU compiler reads
     elementwise chains inside its dots and recomputes exp in each reader, so a
     norm's output and the logits' cotangent are never written, and their inputs live
-    on to the last dot reading them (`dot_operand_fusion`).
+    on to the last dot reading them (`dot_operand_fusion`), and holds an f32 value read
+    only by dots at DEFAULT precision in bf16 (`stores_dot_operands_in_bf16`).
 
   Built in named steps over one `_Program` record, each adding its kind of entry in
   program order (the order is part of the result: ties in `largest_live`, and which
@@ -149,7 +150,7 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   _add_loop_bodies(entries, problem, prog)
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
-  return entries.activations(problem, len(prog.top))
+  return entries.activations(problem, len(prog.top), _narrowed(problem, prog, entries))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,9 +330,12 @@ class Entries:
     self.only.append(only)
     return len(self.start) - 1
 
-  def activations(self, problem: Problem, length: int) -> Activations:
+  def activations(self, problem: Problem, length: int,
+                  narrowed: frozenset[int] | set[int] = frozenset()) -> Activations:
+    """The record of these entries; `narrowed`: the entries the compiler stores in bf16."""
     return Activations(np.array(self.start, int), np.array(self.stop, int),
-                       _as_stored(problem, self.nbytes, self.values), tuple(self.dims),
+                       _as_stored(problem, self.nbytes, self.values, narrowed),
+                       tuple(self.dims),
                        length, tuple(self.values), tuple(self.stored),
                        tuple(self.unless), tuple(self.only))
 
@@ -473,16 +477,58 @@ def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> N
                 unless=batch)
 
 
-def _as_stored(problem: Problem, nbytes, values) -> np.ndarray:
-  """Each entry's bytes padded as the compiler stores the whole value (`cost.stored_bytes`;
-  the padding of the unsplit value stands for its shards')."""
+def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset()) -> np.ndarray:
+  """Each entry's bytes as the compiler stores the whole value: padded
+  (`cost.stored_bytes`; the padding of the unsplit value stands for its shards'), in
+  bf16 for the entries `narrowed` holds."""
   nbytes = np.array(nbytes, float)
-  if not problem.profile.memory_tile:
+  if not problem.profile.memory_tile and not narrowed:
     return nbytes
   types = problem.graph.types
-  return np.array([b * costlib.stored_bytes(types[v].shape, types[v].itemsize, problem.profile)
+  return np.array([b * costlib.stored_bytes(types[v].shape,
+                                            2 if k in narrowed else types[v].itemsize,
+                                            problem.profile)
                    / types[v].nbytes if types[v].nbytes else b
-                   for b, v in zip(nbytes, values)], float)
+                   for k, (b, v) in enumerate(zip(nbytes, values))], float)
+
+
+def _narrowed(problem: Problem, prog: _Program, entries: Entries) -> set[int]:
+  """The entries of f32 values the compiler writes out in bf16: where it runs a dot at
+  DEFAULT precision as one bf16 pass (`DeviceProfile.stores_dot_operands_in_bf16`), a
+  value read only by such dots (directly, or through values fused into them, as a
+  projection's bias add) is converted as it is made and only the bf16 copy is kept
+  (the tiny zoo's queries, keys and values on the TPU compiler: bf16 buffers). Of a
+  program input, only its gathered copy, which the compute reads and the update does
+  not."""
+  if not problem.profile.stores_dot_operands_in_bf16:
+    return set()
+  g, inputs = problem.graph, {i.value for i in problem.graph.inputs}
+  by_dots = functools.lru_cache(maxsize=None)(lambda v: _read_by_dots(prog, v))
+  return {k for k, v in enumerate(entries.values)
+          if g.types[v].dtype == "float32"
+          and (v not in inputs or entries.stored[k] is not None) and by_dots(v)}
+
+
+def _read_by_dots(prog: _Program, v: int) -> bool:
+  """Whether every live reader of v outside the state update is a DEFAULT-precision
+  dot, looking through the values its readers make that are fused into theirs (never
+  written out). A value made inside the program and read by the update is not."""
+  g = prog.graph
+  todo, seen, dots = [v], {v}, 0
+  while todo:
+    x = todo.pop()
+    for c in g.consumers.get(x, ()):
+      if c not in prog.live or (c in prog.update and x in g.input_path):
+        continue  # dead, or the update of an input (reads the stored input, not a copy)
+      op = g.ops[c]
+      if ruleslib.default_precision_dot(op):
+        dots += 1
+      elif op.outputs and all(w in prog.fused for w in op.outputs):
+        todo.extend(w for w in op.outputs if w not in seen)
+        seen.update(op.outputs)
+      else:
+        return False
+  return dots > 0
 
 
 def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:

@@ -365,7 +365,7 @@ class TableBuilder:
       return ttype
     g = self.p.graph
     ops = [g.ops[i] for i in readers]
-    if ttype.dtype == "float32" and all(_default_dot(op) for op in ops):
+    if ttype.dtype == "float32" and all(ruleslib.default_precision_dot(op) for op in ops):
       return dataclasses.replace(ttype, dtype="bfloat16")
     if all(op.primitive == "convert_element_type" for op in ops):
       dtypes = {g.types[op.outputs[0]].dtype for op in ops}
@@ -433,17 +433,6 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
-
-
-def _default_dot(op: Op) -> bool:
-  """A dot_general at DEFAULT precision (no `precision`, or DEFAULT for both operands)."""
-  if op.primitive != "dot_general":
-    return False
-  precision = op.raw_params.get("precision")
-  if precision is None:
-    return True
-  parts = precision if isinstance(precision, tuple | list) else (precision,)
-  return all(x is None or str(x).upper().endswith("DEFAULT") for x in parts)
 
 
 class _Grid:

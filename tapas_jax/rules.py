@@ -79,8 +79,8 @@ from tapas_jax.op_rule import norm_axis as _norm_axis
 from tapas_jax.op_rule import unsplit as _unsplit
 
 __all__ = ["DEFAULT_FACTS", "ELEMENTWISE", "FACTS", "Facts", "IDENTITY", "OpRule", "RULES",
-           "STRICT_ENV", "Shape", "default_precision_dot", "default_rule", "facts", "is_strict", "register", "rule_for",
-           "rule_of", "strict_rules"]
+           "STRICT_ENV", "Shape", "default_precision_dot", "default_rule", "facts", "is_strict",
+           "register", "rule_for", "rule_of", "strict_rules"]
 
 
 # -- elementwise and identity-like ------------------------------------------------

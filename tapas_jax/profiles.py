@@ -72,6 +72,13 @@ class DeviceProfile:
       the end of the backward pass (measured on the zoo: its temporaries hold every
       gradient twice there), which is infinite here. Gradients wait for their
       combined reduction, so this sets how many are live at once.
+    copies_donated_inputs: whether the compiler copies a donated input whole before
+      its in-place update where a reader its next value does not depend on (the
+      backward pass's `dy @ W.T`) is not ordered before the update (XLA:CPU's copy
+      insertion, measured on the zoo). The TPU compiler orders those readers first
+      instead (libtpu 0.0.42.1: the compiled train steps of the tiny GPT and the small
+      ResNet under unsplit batches copy no kernel; the tiny GPT copies its embedding
+      table alone).
     reductions_duplicate: whether a reduction's fusion recomputes a cheap operand
       that other ops also read (XLA's GPU and TPU fusions do). XLA:CPU's reduction
       fusions (YNNPACK) do not: the operand is written out, as a batch norm's
@@ -107,12 +114,15 @@ class DeviceProfile:
       where XLA:GPU forms one). The memory model's `reduce_scatter` is a separate
       field; cost.py prices only the collective with this one.
     gathers_dot_operands_in_bf16: whether the compiler gathers an f32 value read only
-      by dots at DEFAULT precision in bf16: it runs such a dot as one bf16 pass
+      by dots and convolutions at DEFAULT precision in bf16 (through ops that only move
+      its elements: a kernel reversed for the backward convolution): it runs such a
+      contraction as one bf16 pass
       (`peak_flops_f32`) and converts the shard before the gather, half the bytes. The
       TPU compiler does (the same libtpu versions: FSDP's f32 kernels of the tiny zoo
       gathered as bf16, its f32 norm scales and embedding table as f32).
     stores_dot_operands_in_bf16: whether the compiler writes an f32 value read only by
-      dots at DEFAULT precision (directly or through values fused into them) in bf16,
+      dots and convolutions at DEFAULT precision (directly or through values fused into
+      them) in bf16,
       converted as it is made: the same single bf16 pass, half the bytes held. The TPU
       compiler does (libtpu 0.0.42.1: the tiny zoo's f32 queries, keys, values and MLP
       activations are bf16 buffers in its buffer assignment).
@@ -149,6 +159,7 @@ class DeviceProfile:
   reduce_scatter: bool = True
   canonical_convolutions: bool = False
   reductions_duplicate: bool = True
+  copies_donated_inputs: bool = True
   combine_threshold_bytes: float = 30 * 2**20
   dot_operand_fusion: bool = False
   all_gather_as_all_reduce_above: float = math.inf
@@ -177,7 +188,7 @@ _TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all
 _TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
 _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
-                    stores_dot_operands_in_bf16=True)
+                    stores_dot_operands_in_bf16=True, copies_donated_inputs=False)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -366,6 +377,7 @@ PROFILES: dict[str, DeviceProfile] = {
 # The DeviceProfile fields that describe its compiler (memory layout, how collectives are
 # lowered), not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
+                    "copies_donated_inputs",
                     "combine_threshold_bytes", "dot_operand_fusion",
                     "all_gather_as_all_reduce_above", "all_gather_as_all_reduce_up_to_bytes",
                     "reduce_scatter_as_all_reduce",

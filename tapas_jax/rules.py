@@ -79,8 +79,8 @@ from tapas_jax.op_rule import norm_axis as _norm_axis
 from tapas_jax.op_rule import unsplit as _unsplit
 
 __all__ = ["DEFAULT_FACTS", "ELEMENTWISE", "FACTS", "Facts", "IDENTITY", "OpRule", "RULES",
-           "STRICT_ENV", "Shape", "default_precision_dot", "default_rule", "facts", "is_strict",
-           "register", "rule_for", "rule_of", "strict_rules"]
+           "STRICT_ENV", "Shape", "default_precision_contraction", "default_rule", "facts",
+           "is_strict", "register", "rule_for", "rule_of", "strict_rules"]
 
 
 # -- elementwise and identity-like ------------------------------------------------
@@ -208,11 +208,11 @@ def _dot_general(params, ins, outs) -> OpRule:
   return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
 
 
-def default_precision_dot(op) -> bool:
-  """Whether `op` (a `trace.Op`) is a dot_general at DEFAULT precision (no `precision`,
-  or DEFAULT for both operands): one a TPU runs as a single bf16 pass, whatever the
-  operands' type."""
-  if op.primitive != "dot_general":
+def default_precision_contraction(op) -> bool:
+  """Whether `op` (a `trace.Op`) is a dot_general or a convolution at DEFAULT precision
+  (no `precision`, or DEFAULT for both operands): one a TPU runs as a single bf16 pass,
+  whatever the operands' type."""
+  if op.primitive not in ("dot_general", "conv_general_dilated"):
     return False
   precision = op.raw_params.get("precision")
   if precision is None:
@@ -450,7 +450,7 @@ def _split(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [params["axis"]], ins[0])
 
 
-@register("rev", facts=_FUSES)
+@register("rev", facts=_MOVE)
 def _rev(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, params["dimensions"], ins[0])
 

@@ -693,3 +693,43 @@ def test_the_tpu_compiler_writes_an_f32_value_read_only_by_dots_in_bf16(libtpu):
   entry = text[text.index("ENTRY"):]
   made = re.findall(r"= (bf16|f32)\[4096,512\]\S* fusion\(", entry)
   assert made.count("bf16") == 2, made
+
+
+def _two_dots_state_step(state, x):
+  """`_two_dots_step` as a train step: the kernels are its state, carried to the next,
+  and the loss."""
+  def loss(state):
+    return jnp.sum(jnp.tanh((x @ state["w1"] + 1.0) @ state["w2"]))
+  value, grads = jax.value_and_grad(loss)(state)
+  return jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, state, grads), value
+
+
+TWO_DOTS_STATE = ({"w1": TWO_DOTS[0], "w2": TWO_DOTS[1]}, TWO_DOTS[2])
+
+
+@pytest.mark.parametrize("device,copies", [("tpu-v5p", 0), (COMPILED, 1), ("cpu", 1)])
+def test_a_donated_kernel_read_by_the_backward_is_copied_only_off_tpu(device, copies):
+  # w2 is read by `dy @ w2.T`, which its own update does not depend on: XLA:CPU copies
+  # the donated w2 before writing it in place; the TPU compiler orders the read first.
+  p = tapas.api.prepare(_two_dots_state_step, TWO_DOTS_STATE, mesh={"data": 4},
+                        device=device).problem
+  acts = memory.activations(p)
+  w2 = next(i.value for i in p.graph.inputs if i.path == "w2")
+  # An input's entries: its gathered copy (stored apart from its use) or this copy.
+  assert sum(1 for k, v in enumerate(acts.values)
+             if v == w2 and acts.stored[k] is None) == copies
+
+
+def test_the_tpu_compiler_copies_no_donated_kernel_read_by_the_backward(libtpu):
+  # The fact `copies_donated_inputs=False` states, in the compiled program (v5p:2x2x1,
+  # everything replicated, the state donated): no f32[512,512] copy (libtpu 0.0.42.1,
+  # 0.0.50.1). XLA:CPU, the same program: one, of w2.
+  del libtpu
+  rep = NamedSharding(verifylib.tpu_mesh("v5p:2x2x1", {"data": 4}), P())
+  step = jax.jit(_two_dots_state_step, in_shardings=rep, out_shardings=rep,
+                 donate_argnums=0)
+  text = step.lower(*TWO_DOTS_STATE).compile().as_text()
+  assert not re.findall(r"= f32\[512,512\]\S* copy\(", text[text.index("ENTRY"):])
+  cpu = jax.jit(_two_dots_state_step, donate_argnums=0).lower(*TWO_DOTS_STATE).compile()
+  cpu = cpu.as_text()
+  assert len(re.findall(r"= f32\[512,512\]\S* copy\(", cpu[cpu.index("ENTRY"):])) == 1

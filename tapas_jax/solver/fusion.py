@@ -84,8 +84,10 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
 
   With `dot_operands=True` (the TPU compiler, read off its HLO: `DeviceProfile.
   dot_operand_fusion`) three more things are fused:
-  * a dot reads an elementwise chain inside its own fusion (a `kOutput` fusion whose
-    convolution reads the chain) where that reads no more bytes than the chain's
+  * a dot (or a convolution: both are the TPU's convolution fusions) reads an
+    elementwise chain inside its own fusion (a `kOutput` fusion whose convolution
+    reads the chain; a kernel reversed for the backward convolution) where that reads
+    no more bytes than the chain's
     result: the chain's unfused operands hold one value at least a quarter of its
     elements. A program input's cast (a weight's bf16 copy) is made once and kept:
     a weight is converted before it is gathered. A norm's output, the logits' cotangent
@@ -128,7 +130,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
         continue
       if dot_operands:
         leaves[v] = _big_leaves(graph, op, v, out, leaves)
-        into_dot = any(r.primitive == "dot_general" for r in readers)
+        into_dot = any(r.primitive in _CONTRACTIONS for r in readers)
         if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
             into_dot and op.primitive == "convert_element_type"
             and op.inputs[0] not in graph.producer):
@@ -149,11 +151,15 @@ def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> boo
                or len(readers) == 1))
 
 
+# What the TPU compiler runs as a convolution fusion (a dot is one there).
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
 def _reader_fuses(reader: Op, dot_operands: bool) -> bool:
   """Whether a fusible op's result can fuse into this reader: a fusible op or a
   reduction (a fusion's root), and a dot where dots read their operands' chains."""
   f = ruleslib.facts(reader.primitive)
-  return f.fusible or f.fusion_root or (dot_operands and reader.primitive == "dot_general")
+  return f.fusible or f.fusion_root or (dot_operands and reader.primitive in _CONTRACTIONS)
 
 
 def _big_leaves(graph: Graph, op: Op, v: int, fused: set[int],

@@ -119,7 +119,8 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   * A donated input read by an op its next value does not depend on (the backward
     pass's `dy @ W.T` does not feed W's own update) is copied whole by XLA's copy
     insertion before anything is written in place, and the copy lives until the update
-    (`_donated_copies`).
+    (`_donated_copies`; the TPU compiler orders the readers first instead:
+    `copies_donated_inputs`).
   * Each dim is split as its producer makes it: over its class's axes, or whole where
     the producer's rule keeps it whole.
   * While a counted loop (scan) runs, what its body writes out in one iteration is
@@ -468,7 +469,10 @@ def _add_gathered_inputs(entries: Entries, problem: Problem, prog: _Program) -> 
 
 def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> None:
   """A donated input's copy before its update (`_donated_copies`); gone where the
-  batch is split (`unless`)."""
+  batch is split (`unless`), and on a compiler that orders the readers first instead
+  (`DeviceProfile.copies_donated_inputs`)."""
+  if not problem.profile.copies_donated_inputs:
+    return
   g = prog.graph
   batch = tuple(c.index for c in problem.classes if c.batch)
   for v, first, last in _donated_copies(prog):
@@ -493,9 +497,10 @@ def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset()) -> np.nda
 
 
 def _narrowed(problem: Problem, prog: _Program, entries: Entries) -> set[int]:
-  """The entries of f32 values the compiler writes out in bf16: where it runs a dot at
-  DEFAULT precision as one bf16 pass (`DeviceProfile.stores_dot_operands_in_bf16`), a
-  value read only by such dots (directly, or through values fused into them, as a
+  """The entries of f32 values the compiler writes out in bf16: where it runs a dot or
+  a convolution at DEFAULT precision as one bf16 pass
+  (`DeviceProfile.stores_dot_operands_in_bf16`), a value read only by such
+  contractions (directly, or through values fused into them, as a
   projection's bias add) is converted as it is made and only the bf16 copy is kept
   (the tiny zoo's queries, keys and values on the TPU compiler: bf16 buffers). Of a
   program input, only its gathered copy, which the compute reads and the update does
@@ -503,16 +508,17 @@ def _narrowed(problem: Problem, prog: _Program, entries: Entries) -> set[int]:
   if not problem.profile.stores_dot_operands_in_bf16:
     return set()
   g, inputs = problem.graph, {i.value for i in problem.graph.inputs}
-  by_dots = functools.lru_cache(maxsize=None)(lambda v: _read_by_dots(prog, v))
+  by_contractions = functools.lru_cache(maxsize=None)(lambda v: _read_by_contractions(prog, v))
   return {k for k, v in enumerate(entries.values)
           if g.types[v].dtype == "float32"
-          and (v not in inputs or entries.stored[k] is not None) and by_dots(v)}
+          and (v not in inputs or entries.stored[k] is not None) and by_contractions(v)}
 
 
-def _read_by_dots(prog: _Program, v: int) -> bool:
+def _read_by_contractions(prog: _Program, v: int) -> bool:
   """Whether every live reader of v outside the state update is a DEFAULT-precision
-  dot, looking through the values its readers make that are fused into theirs (never
-  written out). A value made inside the program and read by the update is not."""
+  contraction, looking through the values its readers make that are fused into
+  theirs (never written out). A value made inside the program and read by the update
+  is not."""
   g = prog.graph
   todo, seen, dots = [v], {v}, 0
   while todo:
@@ -521,7 +527,7 @@ def _read_by_dots(prog: _Program, v: int) -> bool:
       if c not in prog.live or (c in prog.update and x in g.input_path):
         continue  # dead, or the update of an input (reads the stored input, not a copy)
       op = g.ops[c]
-      if ruleslib.default_precision_dot(op):
+      if ruleslib.default_precision_contraction(op):
         dots += 1
       elif op.outputs and all(w in prog.fused for w in op.outputs):
         todo.extend(w for w in op.outputs if w not in seen)

@@ -358,14 +358,16 @@ class TableBuilder:
   def _sent_type(self, ttype: TensorType, readers) -> TensorType:
     """The type a value is gathered in for these readers, where the compiler converts
     the shard before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`): bf16
-    for an f32 value read only by dots at DEFAULT precision (run as one bf16 pass), and
+    for an f32 value read only by dots and convolutions at DEFAULT precision (run as one
+    bf16 pass), directly or through ops that only move its elements (a kernel reversed
+    for the backward convolution: the TPU compiler gathers it once, in bf16), and
     the readers' type for a value read only by converts to one narrower type (f32
     weights cast to the bf16 the model computes in, as flax's `param_dtype` does)."""
     if not self.p.profile.gathers_dot_operands_in_bf16 or not readers:
       return ttype
     g = self.p.graph
     ops = [g.ops[i] for i in readers]
-    if ttype.dtype == "float32" and all(ruleslib.default_precision_dot(op) for op in ops):
+    if ttype.dtype == "float32" and _into_contractions(g, ops):
       return dataclasses.replace(ttype, dtype="bfloat16")
     if all(op.primitive == "convert_element_type" for op in ops):
       dtypes = {g.types[op.outputs[0]].dtype for op in ops}
@@ -433,6 +435,19 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
+
+
+def _into_contractions(g, ops: Sequence[Op], depth: int = 4) -> bool:
+  """Whether these readers are DEFAULT-precision contractions, or ops that only move
+  elements (`Facts.moves`) read only by such, a few deep."""
+  for op in ops:
+    if ruleslib.default_precision_contraction(op):
+      continue
+    readers = [g.ops[c] for w in op.outputs for c in g.consumers.get(w, ())]
+    if not (depth and ruleslib.facts(op.primitive).moves and readers
+            and _into_contractions(g, readers, depth - 1)):
+      return False
+  return True
 
 
 class _Grid:

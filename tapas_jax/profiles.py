@@ -122,8 +122,8 @@ class DeviceProfile:
       gathered as bf16, its f32 norm scales and embedding table as f32).
     stores_dot_operands_in_bf16: whether the compiler writes an f32 value read only by
       dots and convolutions at DEFAULT precision (directly or through values fused into
-      them) in bf16,
-      converted as it is made: the same single bf16 pass, half the bytes held. The TPU
+      them) in bf16, converted as it is made: the same single bf16 pass, half the bytes
+      held. The TPU
       compiler does (libtpu 0.0.42.1: the tiny zoo's f32 queries, keys, values and MLP
       activations are bf16 buffers in its buffer assignment).
     reassociates_all_reduces: whether the compiler adds partial sums before reducing

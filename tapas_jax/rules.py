@@ -212,7 +212,7 @@ def default_precision_contraction(op) -> bool:
   """Whether `op` (a `trace.Op`) is a dot_general or a convolution at DEFAULT precision
   (no `precision`, or DEFAULT for both operands): one a TPU runs as a single bf16 pass,
   whatever the operands' type."""
-  if op.primitive not in ("dot_general", "conv_general_dilated"):
+  if not facts(op.primitive).contracts:
     return False
   precision = op.raw_params.get("precision")
   if precision is None:

@@ -130,7 +130,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
         continue
       if dot_operands:
         leaves[v] = _big_leaves(graph, op, v, out, leaves)
-        into_dot = any(r.primitive in _CONTRACTIONS for r in readers)
+        into_dot = any(ruleslib.facts(r.primitive).contracts for r in readers)
         if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
             into_dot and op.primitive == "convert_element_type"
             and op.inputs[0] not in graph.producer):
@@ -151,15 +151,13 @@ def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> boo
                or len(readers) == 1))
 
 
-# What the TPU compiler runs as a convolution fusion (a dot is one there).
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-
-
 def _reader_fuses(reader: Op, dot_operands: bool) -> bool:
   """Whether a fusible op's result can fuse into this reader: a fusible op or a
-  reduction (a fusion's root), and a dot where dots read their operands' chains."""
+  reduction (a fusion's root), and a dot or convolution where they read their
+  operands' chains."""
   f = ruleslib.facts(reader.primitive)
-  return f.fusible or f.fusion_root or (dot_operands and reader.primitive in _CONTRACTIONS)
+  # A dot and a convolution (`Facts.contracts`) are both the TPU's convolution fusions.
+  return f.fusible or f.fusion_root or (dot_operands and f.contracts)
 
 
 def _big_leaves(graph: Graph, op: Op, v: int, fused: set[int],

@@ -134,7 +134,8 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
     elementwise chains inside its dots and recomputes exp in each reader, so a
     norm's output and the logits' cotangent are never written, and their inputs live
     on to the last dot reading them (`dot_operand_fusion`), and holds an f32 value read
-    only by dots at DEFAULT precision in bf16 (`stores_dot_operands_in_bf16`).
+    only by dots and convolutions at DEFAULT precision in bf16
+    (`stores_dot_operands_in_bf16`).
 
   Built in named steps over one `_Program` record, each adding its kind of entry in
   program order (the order is part of the result: ties in `largest_live`, and which

@@ -85,7 +85,9 @@ class DeviceProfile:
       centred activations are.
     dot_operand_fusion: whether the compiler reads elementwise chains inside a dot's
       own fusion (where that reads no more bytes), recomputes transcendental ops in
-      each reader, and makes a one-hot scatter-add a select (`fusion.fused_values`).
+      each reader, makes a one-hot scatter-add a select, and computes a dot read once
+      by a sum inside the sum's fusion, its operands kept until then
+      (`fusion.fused_values`).
       The TPU compiler does (libtpu 0.0.42.1, read off its HLO for LLaMA-3-8B: a
       norm's output and the logits' cotangent are never written; BENCHMARKS.md
       "Predicted vs TPU-compiled memory at real scale"); XLA:CPU and the GPU

@@ -99,7 +99,11 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     ones: the softmax's exp is computed in the forward reduction and again in the
     backward dots, the gate's sigmoid in the MLP's forward and backward fusions;
   * a one-hot scatter-add (`take_along_axis`'s transpose: one update per row, the
-    loss's label gradient) is a select against an iota, elementwise.
+    loss's label gradient) is a select against an iota, elementwise;
+  * a dot or convolution read once, through fusible ops, by a sum is computed inside
+    the sum's fusion (`_output_fused`): a tied embedding's weight-gradient dot runs
+    where its gradient is summed with the lookup's scatter-add, its result never
+    written.
   """
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
@@ -136,7 +140,55 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
             and op.inputs[0] not in graph.producer):
           continue
       out.add(v)
+  if dot_operands:
+    out.update(_output_fused(graph, top, live, outputs, out))
   return out
+
+
+def _output_fused(graph: Graph, top: Sequence[Op], live: set[int], outputs: set[int],
+                  fused: set[int]) -> set[int]:
+  """Contraction results the TPU compiler computes inside the sum reading them (its
+  `kOutput` fusion: a dot or convolution with the elementwise ops after it), so the
+  result is never written and the contraction runs where the sum does, its operands
+  kept until then.
+
+  A result qualifies where it is read once, by a chain of single-reader fusible ops
+  (layout moves, elementwise maps; no contraction, no reduction) that holds a sum
+  (`Facts.sums`) and ends in a written value. Of a sum's operands only the one made
+  last is taken: a fusion holds one contraction. Read off the compiled HLO of the
+  small zoo (T5 and GPT at real widths on v5p:2x2x1): the tied embedding's gradient,
+  `attend`'s weight-gradient dot (transposed) plus the lookups' scatter-adds, is one
+  fusion run after the scatters, the dot's result never a buffer of its own
+  (BENCHMARKS.md, "The sum fused into the dot").
+  """
+  taken: dict[int, int] = {}  # the sum -> the contraction result its fusion takes
+  for op in top:
+    if (op.index in live and len(op.outputs) == 1 and not op.subregions
+        and ruleslib.facts(op.primitive).contracts and op.outputs[0] not in outputs):
+      total = _sum_fusing(graph, op.outputs[0], live, fused)
+      if total is not None:
+        taken[total] = op.outputs[0]  # in program order: the operand made last wins
+  return set(taken.values())
+
+
+def _sum_fusing(graph: Graph, v: int, live: set[int], fused: set[int]) -> int | None:
+  """The first sum on v's chain of single fusible readers, where that chain ends in a
+  written value; else None."""
+  total, x = None, v
+  while True:
+    readers = [c for c in graph.consumers.get(x, ()) if c in live]
+    if len(readers) != 1:
+      return None
+    r = graph.ops[readers[0]]
+    f = ruleslib.facts(r.primitive)
+    if (not f.fusible or f.contracts or f.fusion_root or r.subregions
+        or len(r.outputs) != 1):
+      return None
+    if f.sums and total is None:
+      total = r.index
+    x = r.outputs[0]
+    if x not in fused:
+      return total
 
 
 def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:

@@ -1,0 +1,267 @@
+"""Interior copies of a unique layer: their live ranges mapped from their representative's.
+
+A folded view (`views.folded_view`) searches one representative per unique layer, but
+the memory model lists every copy's values, each live over its own positions. A value
+a copy makes and that is read only inside that copy is written and read as the
+representative's is, position for position (one fingerprint: the same ops, wiring and
+types), so its entry is the representative's, moved to the copy's positions:
+`mapped_entries` builds those with numpy, per unique layer, rather than walking each
+copy op by op (the search stays flat in depth). Everything else is left to the direct
+walk: a value read outside its instance (the residual stream, a gradient the update
+reads), one whose last reader is found through a value that is, and every value of a
+layer whose copies differ from the representative in what the walk asks of an op or
+a value (live, fused, fed into the update, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from tapas_jax.solver.views import Copies
+
+__all__ = ["Lineup", "Mapped", "Reach", "mapped_entries", "merge"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lineup:
+  """Where a folded view's interior copies sit in the top-level program.
+
+  Attributes:
+    pos: op index -> program position (-1: not a top-level op).
+    layers: per unique layer with interior copies, (its representative's ops, the other
+      copies' ops: one row per copy, position for position).
+    outside: the positions of the ops in no such copy (the glue, the first and last
+      instance, the representative), ascending.
+    op_canon: the view's op -> the op standing for it (`View.op_canon`).
+  """
+
+  pos: np.ndarray
+  layers: tuple[tuple[np.ndarray, np.ndarray], ...]
+  outside: np.ndarray
+  op_canon: Mapping[int, int]
+
+  @classmethod
+  def of(cls, graph, pos: Mapping[int, int], copies: Iterable[Copies],
+         op_canon: Mapping[int, int]) -> Lineup:
+    at = np.full(len(graph.ops), -1)
+    at[np.fromiter(pos.keys(), int, len(pos))] = np.fromiter(pos.values(), int, len(pos))
+    layers = tuple((np.array(c.rep, int), np.array(c.ops, int)) for c in copies)
+    walk = np.ones(len(pos), bool)
+    for _, ops in layers:
+      walk[at[ops].ravel()] = False
+    return cls(at, layers, np.flatnonzero(walk), op_canon)
+
+  def where(self, graph, top, keep: Callable) -> list[int]:
+    """The positions of the top-level ops `keep(op)` holds for, ascending, each op
+    asked as the op standing for it (`keep` may ask only what a fingerprint fixes of a
+    copy: the primitive, params and types, or what the view maps copies onto)."""
+    canon = self.op_canon
+    found = [j for j in self.outside.tolist()
+             if keep(graph.ops[canon[i]] if (i := top[j].index) in canon else top[j])]
+    for rep, ops in self.layers:
+      slots = [k for k, i in enumerate(rep.tolist()) if keep(graph.ops[i])]
+      if slots:
+        found += self.pos[ops[:, slots]].ravel().tolist()
+    return sorted(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapped:
+  """The entries `live._add_made` would add for the copies' ops it need not walk.
+
+  Attributes:
+    skip: program positions of those ops (they add exactly these entries).
+    at: per entry, the position of the op adding it (the order to merge in).
+    start, stop, nbytes, values: per entry, as `live.Entries` holds them.
+    dims: per entry, the classes it is made over.
+  """
+
+  skip: np.ndarray
+  at: np.ndarray
+  start: np.ndarray
+  stop: np.ndarray
+  nbytes: np.ndarray
+  values: np.ndarray
+  dims: tuple[tuple, ...]
+
+
+class Reach:
+  """`live._last_readers` asked value by value, for the values the direct walk adds:
+  `get(v, default)` is the position of v's last reader (through the fused values its
+  readers make), found from v's readers and kept; `readers(v)`: the ops counted as
+  reading v. `prog`, `update`, `conv`: `live._Program`, `live._UpdateReads` and the
+  convolutions' transposed copies."""
+
+  def __init__(self, prog, update, conv):
+    self.prog, self.update, self.conv = prog, update, conv
+    self.at: dict[int, int] = {}  # value -> position (-1: no reader counts)
+
+  def readers(self, v: int) -> list[int]:
+    prog, update = self.prog, self.update
+    return [c for c in prog.graph.consumers.get(v, ())
+            if c in prog.pos and c in prog.live and c not in update.feeding
+            and not (c in prog.update and v in update.delivered)
+            and v not in self.conv.get(c, ())]
+
+  def position(self, v: int) -> int:
+    at, g, fused = self.at, self.prog.graph, self.prog.fused
+    todo = [v]
+    while todo:  # depth first, the fused values read later first
+      x = todo[-1]
+      if x in at:
+        todo.pop()
+        continue
+      readers = self.readers(x)
+      later = [w for c in readers for w in g.ops[c].outputs if w in fused and w not in at]
+      if later:
+        todo.extend(later)
+        continue
+      best = -1
+      for c in readers:
+        here = self.prog.pos[c]
+        for w in g.ops[c].outputs:
+          if w in fused and at[w] > here:
+            here = at[w]
+        best = max(best, here)
+      at[x] = best
+      todo.pop()
+    return at[v]
+
+  def get(self, v: int, default: int) -> int:
+    at = self.position(v)
+    return default if at < 0 else at
+
+
+def merge(entries, at: list[int], own: dict[int, int], mapped: Mapped) -> dict[int, int]:
+  """Merges the mapped entries into the walked ones (`live.Entries`, each entry's op
+  position in `at`), in program order as one walk over every op adds them; returns
+  `own` (value -> its entry as made) with the mapped values', renumbered."""
+  if not len(mapped.at):
+    return own
+  n = len(at)
+  order = np.argsort(np.concatenate([np.array(at, int), mapped.at]), kind="stable")
+  take = operator.itemgetter(*order.tolist())
+  values = mapped.values.tolist()
+  blank = len(values)
+  for field, extra in (("start", mapped.start.tolist()), ("stop", mapped.stop.tolist()),
+                       ("nbytes", mapped.nbytes.tolist()), ("values", values),
+                       ("dims", list(mapped.dims)), ("stored", [None] * blank),
+                       ("unless", [()] * blank), ("only", [()] * blank)):
+    merged = take(getattr(entries, field) + extra)
+    setattr(entries, field, list(merged) if len(order) > 1 else [merged])
+  index = np.empty(len(order), int)
+  index[order] = np.arange(len(order))
+  own = dict(zip(own, index[list(own.values())].tolist()))
+  own.update(zip(values, index[n:].tolist()))
+  return own
+
+
+def _mask(ids: Iterable[int], size: int) -> np.ndarray:
+  out = np.zeros(size, bool)
+  ids = np.fromiter(ids, int)
+  out[ids] = True
+  return out
+
+
+def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list[int]],
+                   reach: Callable[[int], int], made: Callable[[object, int, int], tuple | None],
+                   feeding, delivered: Mapping, unmapped: Iterable[int], sided) -> Mapped:
+  """The made entries of the interior copies' ops whose values can be mapped.
+
+  `prog` is `live._Program`; `readers(v)`: the ops counted as reading v (live, not
+  fed into the update, ...); `reach(v)`: v's last reader's position (-1: none);
+  `made(op, slot, v)`: the classes v is written over, None where `_add_made` adds no
+  entry for it; `unmapped`: ops whose neighbourhood the walk treats apart (a
+  convolution's transposed copies): their layer is walked directly; `sided`: ops
+  reading through a cut (their operands get copies of their own: walked directly)."""
+  g, pos = prog.graph, prog.lineup.pos
+  flags = {}  # built on first use: a program with no copies pays nothing
+
+  def op_flags():
+    if not flags:
+      n = len(g.ops)
+      flags["ops"] = [_mask(prog.live, n), _mask(feeding, n), _mask(prog.update, n),
+                      _mask(unmapped, n)]
+      m = len(g.types)
+      flags["values"] = [_mask(prog.fused, m), _mask(delivered, m)]
+      flags["out"] = _mask(prog.outputs, m)
+    return flags
+
+  parts = []
+  for c in copies:
+    part = _layer(prog, c, pos, op_flags, readers, reach, made, sided)
+    if part is not None:
+      parts.append(part)
+  if not parts:
+    empty = np.zeros(0, int)
+    return Mapped(empty, empty, empty, empty, np.zeros(0), empty, ())
+  return Mapped(*(np.concatenate([p[k] for p in parts]) for k in range(6)),
+                tuple(d for p in parts for d in p[6]))
+
+
+def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided):
+  """(skip, at, start, stop, nbytes, values, dims) of one unique layer's copies, or
+  None where none is mapped."""
+  g = prog.graph
+  rep, ops = np.array(c.rep, int), np.array(c.ops, int)
+  rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
+  if not rep_values.size:
+    return None
+  flags = op_flags()
+  # Every copy asks the walk what the representative asks, op for op, value for value.
+  if not all((f[ops] == f[rep]).all() for f in flags["ops"][:3]):
+    return None
+  if flags["ops"][3][rep].any() or flags["ops"][3][ops].any():
+    return None
+  if not all((f[values] == f[rep_values]).all() for f in flags["values"]):
+    return None
+  outside = np.fromiter(c.read_outside, int, len(c.read_outside))
+  bad = (np.isin(rep_values, outside) | np.isin(values, outside).any(0)
+         | flags["out"][rep_values] | flags["out"][values].any(0))
+  slot_of = {op: k for k, op in enumerate(c.rep)}
+  column = {v: s for s, v in enumerate(c.rep_values)}
+  fused = prog.fused
+  # A value maps where all its readers are the representative's own, and so are the
+  # readers of the fused values they make (whose readers extend its live range):
+  # decided last value first, as readers come after what they read.
+  last = np.full(len(c.rep_values), -2)  # slot of the last reader; -1: none; -2: unmapped
+  for s in range(len(c.rep_values) - 1, -1, -1):
+    v = c.rep_values[s]
+    if bad[s] or (sided and not sided.isdisjoint(g.consumers.get(v, ()))) or any(
+        r not in slot_of or any(w in fused and last[column[w]] == -2
+                                             for w in g.ops[r].outputs)
+                     for r in readers(v)):
+      continue
+    at = reach(v)
+    last[s] = -1 if at < 0 else slot_of[prog.top[at].index]
+  # Each op of the representative: its entries (column, classes), mapped when every
+  # value it writes out is.
+  columns, dims, skip = [], [], []
+  s = 0
+  for k, i in enumerate(c.rep):
+    op = g.ops[i]
+    own = []
+    for slot, v in enumerate(op.outputs):
+      classes = made(op, slot, v) if flags["ops"][0][i] else None
+      if classes is not None:
+        own.append((s + slot, classes))
+    s += len(op.outputs)
+    if all(last[col] != -2 for col, _ in own):
+      skip.append(k)
+      columns += [col for col, _ in own]
+      dims += [d for _, d in own]
+  skip_pos = pos[ops[:, skip]].ravel()
+  if not columns:
+    return skip_pos, *(np.zeros(0, int),) * 3, np.zeros(0), np.zeros(0, int), ()
+  cols = np.array(columns, int)
+  col_op = np.repeat(np.arange(len(c.rep)), [len(g.ops[i].outputs) for i in c.rep])
+  at = pos[ops[:, col_op[cols]]]
+  stop = np.where(last[cols] >= 0, pos[ops[:, np.maximum(last[cols], 0)]], at)
+  nbytes = np.array([g.types[c.rep_values[col]].nbytes for col in columns], float)
+  m = len(c.ops)
+  return (skip_pos, at.ravel(), at.ravel(), stop.ravel(), np.tile(nbytes, m),
+          values[:, cols].ravel(), tuple(dims) * m)

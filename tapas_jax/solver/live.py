@@ -22,6 +22,7 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.template import Lineup, Reach, mapped_entries, merge
+from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_region
 
 __all__ = ["Activations", "Entries", "activations", "loop_body_values"]
@@ -149,7 +150,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   entry stands for a value as written).
   """
   prog = _program(problem, cache, per_op)
-  update = _UpdateReads.of(problem, prog)
+  update = UpdateReads.of(problem, prog)
   conv = _conv_copies(problem, prog)
   entries = Entries()
   if per_op:
@@ -211,119 +212,8 @@ def _program(problem: Problem, cache: dict | None, per_op: bool = False) -> _Pro
   return _Program(graph=g, top=top, pos=pos, live=live, fused=fused,
                   outputs=frozenset(g.outputs),
                   carried=frozenset(g.outputs[k] for k, _ in g.carried),
-                  update=frozenset(top[j].index for j in lineup.where(
-                      g, top, lambda op: op.index in update)),
+                  update=frozenset(lineup.ops_where(g, top, lambda op: op.index in update)),
                   lineup=lineup, per_op=per_op)
-
-
-@dataclasses.dataclass(frozen=True)
-class _UpdateReads:
-  """What the state update reads of the rest of the program.
-
-  Attributes:
-    delivered: value -> (classes the update reads it in, position of its last update
-      reader).
-    feeding: ops that only lead to delivered values through fused values (the
-      moments' `g ** 2`, `(1 - b) * g`): they fuse into the update, after the
-      gradient's reduction, whatever the program order, and write nothing of their own.
-    gradients: the gradients as XLA reduces them: the values a delivered value is
-      computed from through feeding ops (a tied weight's two gradients, each reduced on
-      its own; one gradient however many moments read it) -> (delivered classes, last
-      update reader).
-  """
-
-  delivered: Mapping[int, tuple[tuple[int, ...], int]]
-  feeding: frozenset[int] | set[int]
-  gradients: Mapping[int, tuple[tuple[int, ...], int]]
-
-  @classmethod
-  def of(cls, problem: Problem, prog: _Program) -> _UpdateReads:
-    delivered = _delivered(problem, prog)
-    feeding = _feeding(prog, delivered, None if prog.per_op else _may_feed(prog, delivered))
-    return cls(delivered, feeding, _gradients(prog, delivered, feeding))
-
-
-def _delivered(problem: Problem, prog: _Program) -> dict[int, tuple[tuple[int, ...], int]]:
-  g, pos, live, update = prog.graph, prog.pos, prog.live, prog.update
-  vcanon = problem.view.canon
-  delivered = {}
-  by_update = {v for v, side in problem.reader_dims if side is True}
-  for w in ((w for op in prog.top if op.index in live for w in op.outputs) if prog.per_op
-            else _standing_for(prog, problem.view.copies, by_update)):
-    if vcanon.get(w, w) not in by_update or w in prog.outputs:
-      continue
-    updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and c in update]
-    if updates:
-      delivered[w] = (tuple(problem.reader_dims[(vcanon.get(w, w), True)]), max(updates))
-  return delivered
-
-
-def _standing_for(prog: _Program, copies, values) -> list[int]:
-  """The values live top-level ops make that `values` stand for in the view: each
-  made outside the interior copies itself, and the copies' of the representative's,
-  in program order (op by op, output by output)."""
-  g, pos = prog.graph, prog.pos
-  found = set(values)
-  for c in copies:
-    cols = [s for s, v in enumerate(c.rep_values) if v in found]
-    if cols:
-      found.update(np.array(c.values, int)[:, cols].ravel().tolist())
-  made = [(pos[p], g.ops[p].outputs.index(w), w) for w in found
-          if (p := g.producer.get(w)) in pos and p in prog.live]
-  return [w for _, _, w in sorted(made)]
-
-
-def _feeding(prog: _Program, delivered, among: Iterable[int] | None = None) -> set[int]:
-  """The feeding ops (see `_UpdateReads`), looked for among `among` (default: every
-  top-level op)."""
-  feeding: set[int] = set()
-  consumers, live, fused = prog.graph.consumers, prog.live, prog.fused
-  ops = (reversed(prog.top) if among is None else
-         (prog.graph.ops[i] for i in sorted(among, key=prog.pos.__getitem__, reverse=True)))
-  for op in ops:
-    if op.index in live and op.outputs and op.index not in prog.update and all(
-        w in delivered or (w in fused and all(c in feeding or c not in live
-                                              for c in consumers.get(w, ())))
-        for w in op.outputs):
-      feeding.add(op.index)
-  return feeding
-
-
-def _may_feed(prog: _Program, delivered) -> set[int]:
-  """The ops that can be feeding: those making a delivered value and, back from them,
-  those making a fused value one of these reads. (A feeding op's outputs are each
-  delivered or fused, and a fused value has a live reader, which must then be feeding
-  too: walking back from the delivered values finds them all.)"""
-  g, fused = prog.graph, prog.fused
-  todo = [g.producer[w] for w in delivered if w in g.producer]
-  out: set[int] = set()
-  while todo:
-    p = todo.pop()
-    if p in out or p not in prog.pos:
-      continue
-    out.add(p)
-    todo.extend(g.producer[v] for v in g.ops[p].inputs if v in fused)
-  return out
-
-
-def _gradients(prog: _Program, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
-  g, pos = prog.graph, prog.pos
-  gradients: dict[int, tuple[tuple[int, ...], int]] = {}
-  for w, (read, last) in delivered.items():
-    todo, seen = [w], set()
-    while todo:
-      x = todo.pop()
-      p = g.producer.get(x)
-      if x in seen or p not in pos or not g.types[x].shape or p in prog.update:
-        continue  # an input (a moment scaled in the update), a literal, a scalar, or
-        # made by the update itself
-      seen.add(x)
-      if p in feeding:
-        todo.extend(g.ops[p].inputs)
-      else:
-        dims0, last0 = gradients.get(x, (read, last))
-        gradients[x] = (dims0, max(last0, last))
-  return gradients
 
 
 def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]]:
@@ -337,7 +227,7 @@ def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]
           if op.index in prog.live}
 
 
-def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
+def _last_readers(prog: _Program, update: UpdateReads, conv) -> dict[int, int]:
   """value -> position of its last reader. A fused value is recomputed where it is
   read: what it is made of stays live until then. Readers come after producers, so
   walk backwards."""
@@ -362,7 +252,7 @@ def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
   return reach
 
 
-def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: _UpdateReads,
+def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: UpdateReads,
                 conv) -> dict[int, int]:
   """`_add_made` over the whole program, the interior copies' values that `template`
   maps from their representative's added without walking their ops."""
@@ -454,17 +344,28 @@ class _Made:
   (representative op, output slot, value in the view, rank)."""
 
   def __init__(self, problem: Problem, prog: _Program):
-    self.problem, self.prog, self.of = problem, prog, {}
+    self.problem, self.prog, self.of, self.partial = problem, prog, {}, {}
+
+  def classes(self, op, slot: int, v: int) -> tuple[int | None, ...] | None:
+    """`_made(problem, op, v)` (v is op's output `slot`)."""
+    problem = self.problem
+    key = (problem.view.op_canon.get(op.index, op.index), slot, problem.cv(v),
+           len(self.prog.graph.types[v].shape), bool(op.subregions))
+    return self.of[key] if key in self.of else self.of.setdefault(key, _made(problem, op, v))
+
+  def partial_classes(self, op_index: int) -> tuple[int, ...]:
+    """`_partial_classes(problem, op_index)`, one per op standing for others."""
+    canon = self.problem.view.op_canon.get(op_index, op_index)
+    if canon not in self.partial:
+      self.partial[canon] = _partial_classes(self.problem, op_index)
+    return self.partial[canon]
 
   def __call__(self, op, slot: int, v: int) -> tuple | None:
     problem, prog = self.problem, self.prog
-    t = prog.graph.types[v]
-    if not t.shape:
+    if not prog.graph.types[v].shape:
       return None
+    made = self.classes(op, slot, v)
     cv = problem.view.canon.get(v, v)
-    key = (problem.view.op_canon.get(op.index, op.index), slot, cv, len(t.shape),
-           bool(op.subregions))
-    made = self.of[key] if key in self.of else self.of.setdefault(key, _made(problem, op, v))
     if made is None or v in prog.fused or v in prog.carried:
       return None
     if cv in problem.free_values and v not in prog.outputs:
@@ -519,11 +420,12 @@ def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradient
   (in place): the gradient lives where it is made only."""
   if not gradients:
     return
-  g, pos = prog.graph, prog.pos
+  g, pos, made_of = prog.graph, prog.pos, _Made(problem, prog)
   at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end)
   for x, (read, last) in gradients.items():
     p, at = g.producer[x], at_of[x]
-    made, partial = _made(problem, g.ops[p], x), _partial_classes(problem, p)
+    made = made_of.classes(g.ops[p], g.ops[p].outputs.index(x), x)
+    partial = made_of.partial_classes(p)
     if made is None or not partial:
       continue
     first = entries.stop[own[x]] + 1 if x in own else pos[p]

@@ -56,17 +56,22 @@ class Lineup:
     return cls(at, layers, np.flatnonzero(walk), op_canon)
 
   def where(self, graph, top, keep: Callable) -> list[int]:
-    """The positions of the top-level ops `keep(op)` holds for, ascending, each op
-    asked as the op standing for it (`keep` may ask only what a fingerprint fixes of a
-    copy: the primitive, params and types, or what the view maps copies onto)."""
+    """The positions of the top-level ops `keep(op)` holds for, ascending (see
+    `ops_where`)."""
+    return sorted(self.pos[np.array(self.ops_where(graph, top, keep), int)].tolist())
+
+  def ops_where(self, graph, top, keep: Callable) -> list[int]:
+    """The top-level ops `keep(op)` holds for, in no order, each op asked as the op
+    standing for it (`keep` may ask only what a fingerprint fixes of a copy: the
+    primitive, params and types, or what the view maps copies onto)."""
     canon = self.op_canon
-    found = [j for j in self.outside.tolist()
+    found = [i for j in self.outside.tolist()
              if keep(graph.ops[canon[i]] if (i := top[j].index) in canon else top[j])]
     for rep, ops in self.layers:
       slots = [k for k, i in enumerate(rep.tolist()) if keep(graph.ops[i])]
       if slots:
-        found += self.pos[ops[:, slots]].ravel().tolist()
-    return sorted(found)
+        found += ops[:, slots].ravel().tolist()
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Reach:
   """`live._last_readers` asked value by value, for the values the direct walk adds:
   `get(v, default)` is the position of v's last reader (through the fused values its
   readers make), found from v's readers and kept; `readers(v)`: the ops counted as
-  reading v. `prog`, `update`, `conv`: `live._Program`, `live._UpdateReads` and the
+  reading v. `prog`, `update`, `conv`: `live._Program`, `update_reads.UpdateReads` and the
   convolutions' transposed copies."""
 
   def __init__(self, prog, update, conv):

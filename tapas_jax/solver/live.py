@@ -256,10 +256,10 @@ def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: Upda
                 conv) -> dict[int, int]:
   """`_add_made` over the whole program, the interior copies' values that `template`
   maps from their representative's added without walking their ops."""
-  reach = Reach(prog, update, conv)
+  reach = Reach(prog, update, conv, problem.view.canon)
   mapped = mapped_entries(prog, problem.view.copies, reach.readers, reach.position,
                           _Made(problem, prog), update.feeding, update.delivered, conv,
-                          {r for r, _ in problem.read_sides})
+                          {r for r, _ in problem.read_sides}, reach.known)
   walk = np.ones(len(prog.top), bool)
   walk[mapped.skip] = False
   at: list[int] = []

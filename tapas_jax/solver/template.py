@@ -99,11 +99,30 @@ class Reach:
   `get(v, default)` is the position of v's last reader (through the fused values its
   readers make), found from v's readers and kept; `readers(v)`: the ops counted as
   reading v. `prog`, `update`, `conv`: `live._Program`, `update_reads.UpdateReads` and the
-  convolutions' transposed copies."""
+  convolutions' transposed copies; `canon`: the view's value -> the value standing for
+  it. `known`: a representative's value -> (its layer's copies' ops, the position in
+  them of its last reader, -1 for none), where every copy's is the representative's
+  (`mapped_entries` fills it): a copy's value is not walked from.
+  """
 
-  def __init__(self, prog, update, conv):
-    self.prog, self.update, self.conv = prog, update, conv
+  def __init__(self, prog, update, conv, canon: Mapping[int, int]):
+    self.prog, self.update, self.conv, self.canon = prog, update, conv, canon
     self.at: dict[int, int] = {}  # value -> position (-1: no reader counts)
+    self.known: dict[int, tuple[np.ndarray, int]] = {}
+    self.row = None  # op -> its row in its layer's copies' ops
+
+  def _known(self, x: int) -> int | None:
+    rep = self.canon.get(x)
+    if rep is None or rep not in self.known:
+      return None
+    ops, k = self.known[rep]
+    if k < 0:
+      return -1
+    if self.row is None:
+      self.row = np.full(len(self.prog.graph.ops), -1)
+      for _, copies in self.prog.lineup.layers:
+        self.row[copies] = np.arange(len(copies))[:, None]
+    return int(self.prog.lineup.pos[ops[self.row[self.prog.graph.producer[x]], k]])
 
   def readers(self, v: int) -> list[int]:
     prog, update = self.prog, self.update
@@ -118,6 +137,11 @@ class Reach:
     while todo:  # depth first, the fused values read later first
       x = todo[-1]
       if x in at:
+        todo.pop()
+        continue
+      known = self._known(x) if self.known else None
+      if known is not None:
+        at[x] = known
         todo.pop()
         continue
       readers = self.readers(x)
@@ -174,7 +198,8 @@ def _mask(ids: Iterable[int], size: int) -> np.ndarray:
 
 def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list[int]],
                    reach: Callable[[int], int], made: Callable[[object, int, int], tuple | None],
-                   feeding, delivered: Mapping, unmapped: Iterable[int], sided) -> Mapped:
+                   feeding, delivered: Mapping, unmapped: Iterable[int], sided,
+                   known: dict | None = None) -> Mapped:
   """The made entries of the interior copies' ops whose values can be mapped.
 
   `prog` is `live._Program`; `readers(v)`: the ops counted as reading v (live, not
@@ -182,7 +207,8 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
   `made(op, slot, v)`: the classes v is written over, None where `_add_made` adds no
   entry for it; `unmapped`: ops whose neighbourhood the walk treats apart (a
   convolution's transposed copies): their layer is walked directly; `sided`: ops
-  reading through a cut (their operands get copies of their own: walked directly)."""
+  reading through a cut (their operands get copies of their own: walked directly);
+  `known` (`Reach.known`) gets each mapped value's last reader."""
   g, pos = prog.graph, prog.lineup.pos
   flags = {}  # built on first use: a program with no copies pays nothing
 
@@ -193,12 +219,12 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
                       _mask(unmapped, n)]
       m = len(g.types)
       flags["values"] = [_mask(prog.fused, m), _mask(delivered, m)]
-      flags["out"] = _mask(prog.outputs, m)
+      flags["out"] = [_mask(prog.outputs, m), _mask(prog.carried, m)]
     return flags
 
   parts = []
   for c in copies:
-    part = _layer(prog, c, pos, op_flags, readers, reach, made, sided)
+    part = _layer(prog, c, pos, op_flags, readers, reach, made, sided, known)
     if part is not None:
       parts.append(part)
   if not parts:
@@ -208,7 +234,7 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
                 tuple(d for p in parts for d in p[6]))
 
 
-def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided):
+def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided, known):
   """(skip, at, start, stop, nbytes, values, dims) of one unique layer's copies, or
   None where none is mapped."""
   g = prog.graph
@@ -225,8 +251,11 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided):
   if not all((f[values] == f[rep_values]).all() for f in flags["values"]):
     return None
   outside = np.fromiter(c.read_outside, int, len(c.read_outside))
+  out = flags["out"][0]
   bad = (np.isin(rep_values, outside) | np.isin(values, outside).any(0)
-         | flags["out"][rep_values] | flags["out"][values].any(0))
+         | out[rep_values] | out[values].any(0))
+  # A value written in no copy as the representative's is not written: returned alike.
+  alike = np.logical_and.reduce([(f[values] == f[rep_values]).all(0) for f in flags["out"]])
   slot_of = {op: k for k, op in enumerate(c.rep)}
   column = {v: s for s, v in enumerate(c.rep_values)}
   fused = prog.fused
@@ -243,8 +272,11 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided):
       continue
     at = reach(v)
     last[s] = -1 if at < 0 else slot_of[prog.top[at].index]
+  if known is not None:
+    known.update((c.rep_values[s], (ops, int(last[s])))
+                 for s in np.flatnonzero(last != -2).tolist())
   # Each op of the representative: its entries (column, classes), mapped when every
-  # value it writes out is.
+  # value it writes out is, and every copy writes out what it does.
   columns, dims, skip = [], [], []
   s = 0
   for k, i in enumerate(c.rep):
@@ -254,8 +286,8 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided):
       classes = made(op, slot, v) if flags["ops"][0][i] else None
       if classes is not None:
         own.append((s + slot, classes))
-    s += len(op.outputs)
-    if all(last[col] != -2 for col, _ in own):
+    n, s = s, s + len(op.outputs)
+    if alike[n:s].all() and all(last[col] != -2 for col, _ in own):
       skip.append(k)
       columns += [col for col, _ in own]
       dims += [d for _, d in own]

@@ -257,9 +257,11 @@ def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: Upda
   """`_add_made` over the whole program, the interior copies' values that `template`
   maps from their representative's added without walking their ops."""
   reach = Reach(prog, update, conv, problem.view.canon)
+  sided = {r for r, _ in problem.read_sides}
   mapped = mapped_entries(prog, problem.view.copies, reach.readers, reach.position,
                           _Made(problem, prog), update.feeding, update.delivered, conv,
-                          {r for r, _ in problem.read_sides}, reach.known)
+                          sided and (lambda v: _cut_copies(problem, prog, v, sided)),
+                          reach.known)
   walk = np.ones(len(prog.top), bool)
   walk[mapped.skip] = False
   at: list[int] = []
@@ -327,8 +329,8 @@ def _add_made(entries: Entries, problem: Problem, prog: _Program, conv,
       stop = (prog.end if v in prog.outputs and v not in prog.carried
               else reach.get(v, j))
       own[v] = entries.add(j, stop, g.types[v].nbytes, v, classes)
-      if sided:
-        _add_cut_copies(entries, problem, prog, v, classes, sided)
+      for c, dims in _cut_copies(problem, prog, v, sided) if sided else ():
+        entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v, dims, stored=classes)
     for v, classes in conv.get(op.index, {}).items():
       _add_conv_copy(entries, prog, op, j, v, classes)
     if at is not None:
@@ -373,15 +375,16 @@ class _Made:
     return made
 
 
-def _add_cut_copies(entries: Entries, problem: Problem, prog: _Program, v: int, made,
-                    sided) -> None:
-  """Read through a cut (sequence parallelism): each reader on the other side gets a
-  transient copy in its layout (a norm's output gathered into a dot, a dot's result
-  reduce-scattered for the residual add). XLA gathers again rather than keep a
-  gathered copy from the forward pass to the backward (measured on the tiny zoo under
-  sequence-parallel plans: a copy held from its first reader to its last over-counted
-  XLA's peak by ~10%)."""
+def _cut_copies(problem: Problem, prog: _Program, v: int, sided) -> list[tuple[int, tuple]]:
+  """(reader, classes) of v's copies read through a cut (sequence parallelism): each
+  reader on the other side gets a transient copy in its layout (a norm's output
+  gathered into a dot, a dot's result reduce-scattered for the residual add), live at
+  the reader only, made over the classes v is made over. XLA gathers again rather than
+  keep a gathered copy from the forward pass to the backward (measured on the tiny zoo
+  under sequence-parallel plans: a copy held from its first reader to its last
+  over-counted XLA's peak by ~10%)."""
   g, canon = prog.graph, problem.view.op_canon
+  out = []
   for c in g.consumers.get(v, ()):
     rep = canon.get(c, c)
     if rep not in sided or c not in prog.live:
@@ -395,8 +398,8 @@ def _add_cut_copies(entries: Entries, problem: Problem, prog: _Program, v: int, 
       side = problem.read_sides.get((rep, y))
       if side is None:
         continue
-      entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v,
-                  problem.reader_dims[(y, side)], stored=made)
+      out.append((c, problem.reader_dims[(y, side)]))
+  return out
 
 
 def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes) -> None:

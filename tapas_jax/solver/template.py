@@ -83,6 +83,8 @@ class Mapped:
     at: per entry, the position of the op adding it (the order to merge in).
     start, stop, nbytes, values: per entry, as `live.Entries` holds them.
     dims: per entry, the classes it is made over.
+    stored: per entry, as `live.Entries` holds it (a copy read through a cut: the
+      classes the value is made over).
   """
 
   skip: np.ndarray
@@ -92,6 +94,7 @@ class Mapped:
   nbytes: np.ndarray
   values: np.ndarray
   dims: tuple[tuple, ...]
+  stored: tuple[tuple | None, ...]
 
 
 class Reach:
@@ -178,7 +181,7 @@ def merge(entries, at: list[int], own: dict[int, int], mapped: Mapped) -> dict[i
   blank = len(values)
   for field, extra in (("start", mapped.start.tolist()), ("stop", mapped.stop.tolist()),
                        ("nbytes", mapped.nbytes.tolist()), ("values", values),
-                       ("dims", list(mapped.dims)), ("stored", [None] * blank),
+                       ("dims", list(mapped.dims)), ("stored", list(mapped.stored)),
                        ("unless", [()] * blank), ("only", [()] * blank)):
     merged = take(getattr(entries, field) + extra)
     setattr(entries, field, list(merged) if len(order) > 1 else [merged])
@@ -198,7 +201,7 @@ def _mask(ids: Iterable[int], size: int) -> np.ndarray:
 
 def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list[int]],
                    reach: Callable[[int], int], made: Callable[[object, int, int], tuple | None],
-                   feeding, delivered: Mapping, unmapped: Iterable[int], sided,
+                   feeding, delivered: Mapping, unmapped: Iterable[int], cuts,
                    known: dict | None = None) -> Mapped:
   """The made entries of the interior copies' ops whose values can be mapped.
 
@@ -206,9 +209,9 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
   fed into the update, ...); `reach(v)`: v's last reader's position (-1: none);
   `made(op, slot, v)`: the classes v is written over, None where `_add_made` adds no
   entry for it; `unmapped`: ops whose neighbourhood the walk treats apart (a
-  convolution's transposed copies): their layer is walked directly; `sided`: ops
-  reading through a cut (their operands get copies of their own: walked directly);
-  `known` (`Reach.known`) gets each mapped value's last reader."""
+  convolution's transposed copies): their layer is walked directly; `cuts(v)`: the
+  (reader, classes) of v's copies read through a cut (`live._cut_copies`; falsy: no
+  cuts); `known` (`Reach.known`) gets each mapped value's last reader."""
   g, pos = prog.graph, prog.lineup.pos
   flags = {}  # built on first use: a program with no copies pays nothing
 
@@ -224,19 +227,19 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
 
   parts = []
   for c in copies:
-    part = _layer(prog, c, pos, op_flags, readers, reach, made, sided, known)
+    part = _layer(prog, c, pos, op_flags, readers, reach, made, cuts, known)
     if part is not None:
       parts.append(part)
   if not parts:
     empty = np.zeros(0, int)
-    return Mapped(empty, empty, empty, empty, np.zeros(0), empty, ())
+    return Mapped(empty, empty, empty, empty, np.zeros(0), empty, (), ())
   return Mapped(*(np.concatenate([p[k] for p in parts]) for k in range(6)),
-                tuple(d for p in parts for d in p[6]))
+                *(tuple(d for p in parts for d in p[k]) for k in (6, 7)))
 
 
-def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided, known):
-  """(skip, at, start, stop, nbytes, values, dims) of one unique layer's copies, or
-  None where none is mapped."""
+def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, cuts, known):
+  """(skip, at, start, stop, nbytes, values, dims, stored) of one unique layer's
+  copies, or None where none is mapped."""
   g = prog.graph
   rep, ops = np.array(c.rep, int), np.array(c.ops, int)
   rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
@@ -265,8 +268,7 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided, known):
   last = np.full(len(c.rep_values), -2)  # slot of the last reader; -1: none; -2: unmapped
   for s in range(len(c.rep_values) - 1, -1, -1):
     v = c.rep_values[s]
-    if bad[s] or (sided and not sided.isdisjoint(g.consumers.get(v, ()))) or any(
-        r not in slot_of or any(w in fused and last[column[w]] == -2
+    if bad[s] or any(r not in slot_of or any(w in fused and last[column[w]] == -2
                                              for w in g.ops[r].outputs)
                      for r in readers(v)):
       continue
@@ -275,9 +277,10 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided, known):
   if known is not None:
     known.update((c.rep_values[s], (ops, int(last[s])))
                  for s in np.flatnonzero(last != -2).tolist())
-  # Each op of the representative: its entries (column, classes), mapped when every
-  # value it writes out is, and every copy writes out what it does.
-  columns, dims, skip = [], [], []
+  # Each op of the representative: its entries, mapped when every value it writes out
+  # is, and every copy writes out what it does: (column, op, start, stop, classes,
+  # stored), the last three as positions in the layer.
+  entries, skip = [], []
   s = 0
   for k, i in enumerate(c.rep):
     op = g.ops[i]
@@ -285,20 +288,22 @@ def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, sided, known):
     for slot, v in enumerate(op.outputs):
       classes = made(op, slot, v) if flags["ops"][0][i] else None
       if classes is not None:
-        own.append((s + slot, classes))
+        own.append((s + slot, v, classes))
     n, s = s, s + len(op.outputs)
-    if alike[n:s].all() and all(last[col] != -2 for col, _ in own):
-      skip.append(k)
-      columns += [col for col, _ in own]
-      dims += [d for _, d in own]
+    if not (alike[n:s].all() and all(last[col] != -2 for col, _, _ in own)):
+      continue
+    skip.append(k)
+    for col, v, classes in own:
+      entries.append((col, k, k, k if last[col] < 0 else last[col], classes, None))
+      # Its copies read through a cut, at their readers (inside: it maps).
+      entries += [(col, k, slot_of[r], slot_of[r], dims, classes)
+                  for r, dims in (cuts(v) if cuts else ())]
   skip_pos = pos[ops[:, skip]].ravel()
-  if not columns:
-    return skip_pos, *(np.zeros(0, int),) * 3, np.zeros(0), np.zeros(0, int), ()
-  cols = np.array(columns, int)
-  col_op = np.repeat(np.arange(len(c.rep)), [len(g.ops[i].outputs) for i in c.rep])
-  at = pos[ops[:, col_op[cols]]]
-  stop = np.where(last[cols] >= 0, pos[ops[:, np.maximum(last[cols], 0)]], at)
-  nbytes = np.array([g.types[c.rep_values[col]].nbytes for col in columns], float)
+  if not entries:
+    return skip_pos, *(np.zeros(0, int),) * 3, np.zeros(0), np.zeros(0, int), (), ()
+  cols, op_at, start, stop = (np.array(x, int) for x in list(zip(*entries))[:4])
+  nbytes = np.array([g.types[c.rep_values[col]].nbytes for col in cols.tolist()], float)
   m = len(c.ops)
-  return (skip_pos, at.ravel(), at.ravel(), stop.ravel(), np.tile(nbytes, m),
-          values[:, cols].ravel(), tuple(dims) * m)
+  return (skip_pos, pos[ops[:, op_at]].ravel(), pos[ops[:, start]].ravel(),
+          pos[ops[:, stop]].ravel(), np.tile(nbytes, m), values[:, cols].ravel(),
+          tuple(e[4] for e in entries) * m, tuple(e[5] for e in entries) * m)

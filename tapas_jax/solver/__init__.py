@@ -8,7 +8,8 @@ Modules, in the order data flows through them:
   mesh axes, each op's rule, the state update's own classes (ZeRO);
 - `tables`: per-op cost tables (compute, collectives on input edges, partial sums);
 - `live`: live ranges of every intermediate of the top-level program, as the compiler
-  keeps it (`Activations`, built once per search);
+  keeps it (`Activations`, built once per search); `template` maps a folded view's
+  interior copies' from their representative's, so building it stays flat in depth;
 - `memory`: per-device bytes of inputs and of intermediates live at the peak;
 - `eliminate`: exact min-sum variable elimination;
 - `ilp`: the same objective as one integer program (HiGHS), the reference;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -20,6 +21,8 @@ from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.template import Lineup, Reach, mapped_entries, merge
+from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_region
 
 __all__ = ["Activations", "Entries", "activations", "loop_body_values"]
@@ -93,11 +96,16 @@ class Activations:
     return tuple(seen), np.array(index, int)
 
 
-def activations(problem: Problem, cache: dict | None = None) -> Activations:
+def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = False
+                ) -> Activations:
   """The intermediates of the top-level program, as XLA keeps them.
 
   `cache` (a search's table cache) shares the program's fusion with the cost tables
-  (`fusion.top_level`).
+  (`fusion.top_level`). `per_op`: walk every op of every copy of a layer (the
+  reference the tests hold the folded path to); by default the values a folded view's
+  interior copies make and read inside themselves are mapped from their
+  representative's (`template`), and what the walks ask of other ops is found from
+  the values asked about, not by walking the program.
 
   * Values no output depends on are dropped (dead code).
   * A program output lives to the end, except the next value of carried state: the
@@ -141,12 +149,15 @@ def activations(problem: Problem, cache: dict | None = None) -> Activations:
   program order (the order is part of the result: ties in `largest_live`, and which
   entry stands for a value as written).
   """
-  prog = _program(problem, cache)
-  update = _UpdateReads.of(problem, prog)
+  prog = _program(problem, cache, per_op)
+  update = UpdateReads.of(problem, prog)
   conv = _conv_copies(problem, prog)
   entries = Entries()
-  own = _add_made(entries, problem, prog, update, conv,
-                  _last_readers(prog, update, conv))
+  if per_op:
+    own = _add_made(entries, problem, prog, conv, _last_readers(prog, update, conv),
+                    range(len(prog.top)))
+  else:
+    own = _add_mapped(entries, problem, prog, update, conv)
   _hand_over_in_place(prog, entries)
   _add_reductions(entries, problem, prog, update.gradients, own)
   _add_loop_bodies(entries, problem, prog)
@@ -167,6 +178,11 @@ class _Program:
     fused: values XLA never writes out (recomputed in their readers).
     outputs: the program's outputs; carried: the next values of carried state.
     update: top-level ops of the state update (by the op standing for them).
+    lineup: where the view's interior copies sit (`template.Lineup`): the steps ask an
+      op's own facts (its primitive, its loop body) of the ops outside them and of
+      each representative only.
+    per_op: every step walks every op (`activations(per_op=True)`): the lineup has
+      no copies.
   """
 
   graph: Any
@@ -177,97 +193,27 @@ class _Program:
   outputs: frozenset[int]
   carried: frozenset[int]
   update: frozenset[int]
+  lineup: Lineup
+  per_op: bool = False
 
   @property
   def end(self) -> int:
     return len(self.top) - 1
 
 
-def _program(problem: Problem, cache: dict | None) -> _Program:
+def _program(problem: Problem, cache: dict | None, per_op: bool = False) -> _Program:
   g = problem.graph
   top = tuple(g.region_ops(0))
-  pos = {op.index: j for j, op in enumerate(top)}
+  pos = dict(zip(map(operator.attrgetter("index"), top), range(len(top))))
   live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
                           dot_operands=problem.profile.dot_operand_fusion)
-  canon = problem.view.op_canon
+  lineup = Lineup.of(g, pos, () if per_op else problem.view.copies, problem.view.op_canon)
+  update = problem.update_ops
   return _Program(graph=g, top=top, pos=pos, live=live, fused=fused,
                   outputs=frozenset(g.outputs),
                   carried=frozenset(g.outputs[k] for k, _ in g.carried),
-                  update=frozenset(i for i in pos if canon.get(i, i) in problem.update_ops))
-
-
-@dataclasses.dataclass(frozen=True)
-class _UpdateReads:
-  """What the state update reads of the rest of the program.
-
-  Attributes:
-    delivered: value -> (classes the update reads it in, position of its last update
-      reader).
-    feeding: ops that only lead to delivered values through fused values (the
-      moments' `g ** 2`, `(1 - b) * g`): they fuse into the update, after the
-      gradient's reduction, whatever the program order, and write nothing of their own.
-    gradients: the gradients as XLA reduces them: the values a delivered value is
-      computed from through feeding ops (a tied weight's two gradients, each reduced on
-      its own; one gradient however many moments read it) -> (delivered classes, last
-      update reader).
-  """
-
-  delivered: Mapping[int, tuple[tuple[int, ...], int]]
-  feeding: frozenset[int] | set[int]
-  gradients: Mapping[int, tuple[tuple[int, ...], int]]
-
-  @classmethod
-  def of(cls, problem: Problem, prog: _Program) -> _UpdateReads:
-    delivered = _delivered(problem, prog)
-    feeding = _feeding(prog, delivered)
-    return cls(delivered, feeding, _gradients(prog, delivered, feeding))
-
-
-def _delivered(problem: Problem, prog: _Program) -> dict[int, tuple[tuple[int, ...], int]]:
-  g, pos, live, update = prog.graph, prog.pos, prog.live, prog.update
-  vcanon = problem.view.canon
-  delivered = {}
-  by_update = {v for v, side in problem.reader_dims if side is True}
-  for op in prog.top:
-    for w in op.outputs if op.index in live else ():
-      if vcanon.get(w, w) not in by_update or w in prog.outputs:
-        continue
-      updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and c in update]
-      if updates:
-        delivered[w] = (tuple(problem.reader_dims[(vcanon.get(w, w), True)]), max(updates))
-  return delivered
-
-
-def _feeding(prog: _Program, delivered) -> set[int]:
-  feeding: set[int] = set()
-  consumers, live, fused = prog.graph.consumers, prog.live, prog.fused
-  for op in reversed(prog.top):
-    if op.index in live and op.outputs and op.index not in prog.update and all(
-        w in delivered or (w in fused and all(c in feeding or c not in live
-                                              for c in consumers.get(w, ())))
-        for w in op.outputs):
-      feeding.add(op.index)
-  return feeding
-
-
-def _gradients(prog: _Program, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
-  g, pos = prog.graph, prog.pos
-  gradients: dict[int, tuple[tuple[int, ...], int]] = {}
-  for w, (read, last) in delivered.items():
-    todo, seen = [w], set()
-    while todo:
-      x = todo.pop()
-      p = g.producer.get(x)
-      if x in seen or p not in pos or not g.types[x].shape or p in prog.update:
-        continue  # an input (a moment scaled in the update), a literal, a scalar, or
-        # made by the update itself
-      seen.add(x)
-      if p in feeding:
-        todo.extend(g.ops[p].inputs)
-      else:
-        dims0, last0 = gradients.get(x, (read, last))
-        gradients[x] = (dims0, max(last0, last))
-  return gradients
+                  update=frozenset(lineup.ops_where(g, top, lambda op: op.index in update)),
+                  lineup=lineup, per_op=per_op)
 
 
 def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]]:
@@ -275,11 +221,13 @@ def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]
   transposed copies: conv op -> {operand or result: classes}."""
   if not problem.profile.canonical_convolutions:
     return {}
-  return {op.index: _transposed_for_conv(problem, op) for op in prog.top
-          if op.index in prog.live and op.primitive == "conv_general_dilated"}
+  convs = prog.lineup.where(prog.graph, prog.top,
+                            lambda op: op.primitive == "conv_general_dilated")
+  return {op.index: _transposed_for_conv(problem, op) for op in map(prog.top.__getitem__, convs)
+          if op.index in prog.live}
 
 
-def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
+def _last_readers(prog: _Program, update: UpdateReads, conv) -> dict[int, int]:
   """value -> position of its last reader. A fused value is recomputed where it is
   read: what it is made of stays live until then. Readers come after producers, so
   walk backwards."""
@@ -302,6 +250,23 @@ def _last_readers(prog: _Program, update: _UpdateReads, conv) -> dict[int, int]:
       if reach.get(v, -1) < here:
         reach[v] = here
   return reach
+
+
+def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: UpdateReads,
+                conv) -> dict[int, int]:
+  """`_add_made` over the whole program, the interior copies' values that `template`
+  maps from their representative's added without walking their ops."""
+  reach = Reach(prog, update, conv, problem.view.canon)
+  sided = {r for r, _ in problem.read_sides}
+  mapped = mapped_entries(prog, problem.view.copies, reach.readers, reach.position,
+                          _Made(problem, prog), update.feeding, update.delivered, conv,
+                          sided and (lambda v: _cut_copies(problem, prog, v, sided)),
+                          reach.known)
+  walk = np.ones(len(prog.top), bool)
+  walk[mapped.skip] = False
+  at: list[int] = []
+  own = _add_made(entries, problem, prog, conv, reach, np.flatnonzero(walk).tolist(), at)
+  return merge(entries, at, own, mapped)
 
 
 class Entries:
@@ -342,54 +307,84 @@ class Entries:
                        tuple(self.unless), tuple(self.only))
 
 
-def _add_made(entries: Entries, problem: Problem, prog: _Program, update: _UpdateReads,
-              conv, reach: Mapping[int, int]) -> dict[int, int]:
-  """Adds every value as its op makes it (and the copies read through a cut or
-  transposed for a convolution, next to it); returns value -> its entry as made."""
-  g, canon, vcanon = prog.graph, problem.view.op_canon, problem.view.canon
+def _add_made(entries: Entries, problem: Problem, prog: _Program, conv,
+              reach: Mapping[int, int], positions: Iterable[int],
+              at: list[int] | None = None) -> dict[int, int]:
+  """Adds every value the ops at `positions` (ascending) make, as they make it (and the
+  copies read through a cut or transposed for a convolution, next to it); returns value
+  -> its entry as made. `at`, where given, gets each entry's op position."""
+  g = prog.graph
   own: dict[int, int] = {}
   sided = {r for r, _ in problem.read_sides}  # ops reading through an activation cut
-  # Copies of a layer make their values in their representative's classes: one
-  # `_made` per (representative op, output slot, value in the view, rank).
-  made_of: dict[tuple, tuple[int | None, ...] | None] = {}
-  free = problem.free_values
-  for j, op in enumerate(prog.top):
+  made = _Made(problem, prog)
+  for j in positions:
+    op = prog.top[j]
     if op.index not in prog.live:
       continue
-    rep_op = canon.get(op.index, op.index)
+    before = len(entries.start)
     for slot, v in enumerate(op.outputs):
-      t = g.types[v]
-      if not t.shape:
+      classes = made(op, slot, v)
+      if classes is None:
         continue
-      cv = vcanon.get(v, v)
-      key = (rep_op, slot, cv, len(t.shape), bool(op.subregions))
-      made = made_of[key] if key in made_of else made_of.setdefault(
-          key, _made(problem, op, v))
-      if made is None:
-        continue
-      whole = not (v in prog.fused or v in prog.carried)
-      if cv in free and v not in prog.outputs:
-        whole = False  # a constant (a causal mask): XLA builds it inside its readers
-      if whole:  # else never written out, or written in place into the donated input
-        stop = (prog.end if v in prog.outputs and v not in prog.carried
-                else reach.get(v, j))
-        own[v] = entries.add(j, stop, t.nbytes, v, made)
-        if sided:
-          _add_cut_copies(entries, problem, prog, v, made, sided)
+      stop = (prog.end if v in prog.outputs and v not in prog.carried
+              else reach.get(v, j))
+      own[v] = entries.add(j, stop, g.types[v].nbytes, v, classes)
+      for c, dims in _cut_copies(problem, prog, v, sided) if sided else ():
+        entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v, dims, stored=classes)
     for v, classes in conv.get(op.index, {}).items():
       _add_conv_copy(entries, prog, op, j, v, classes)
+    if at is not None:
+      at.extend([j] * (len(entries.start) - before))
   return own
 
 
-def _add_cut_copies(entries: Entries, problem: Problem, prog: _Program, v: int, made,
-                    sided) -> None:
-  """Read through a cut (sequence parallelism): each reader on the other side gets a
-  transient copy in its layout (a norm's output gathered into a dot, a dot's result
-  reduce-scattered for the residual add). XLA gathers again rather than keep a
-  gathered copy from the forward pass to the backward (measured on the tiny zoo under
-  sequence-parallel plans: a copy held from its first reader to its last over-counted
-  XLA's peak by ~10%)."""
+class _Made:
+  """`made(op, slot, v)`: the classes v is written over where `_add_made` adds it
+  whole, else None (no shape, no classes, fused, written in place into the donated
+  input, or a constant XLA builds inside its readers (a causal mask)). Copies of a
+  layer make their values in their representative's classes: one `_made` per
+  (representative op, output slot, value in the view, rank)."""
+
+  def __init__(self, problem: Problem, prog: _Program):
+    self.problem, self.prog, self.of, self.partial = problem, prog, {}, {}
+
+  def classes(self, op, slot: int, v: int) -> tuple[int | None, ...] | None:
+    """`_made(problem, op, v)` (v is op's output `slot`)."""
+    problem = self.problem
+    key = (problem.view.op_canon.get(op.index, op.index), slot, problem.cv(v),
+           len(self.prog.graph.types[v].shape), bool(op.subregions))
+    return self.of[key] if key in self.of else self.of.setdefault(key, _made(problem, op, v))
+
+  def partial_classes(self, op_index: int) -> tuple[int, ...]:
+    """`_partial_classes(problem, op_index)`, one per op standing for others."""
+    canon = self.problem.view.op_canon.get(op_index, op_index)
+    if canon not in self.partial:
+      self.partial[canon] = _partial_classes(self.problem, op_index)
+    return self.partial[canon]
+
+  def __call__(self, op, slot: int, v: int) -> tuple | None:
+    problem, prog = self.problem, self.prog
+    if not prog.graph.types[v].shape:
+      return None
+    made = self.classes(op, slot, v)
+    cv = problem.view.canon.get(v, v)
+    if made is None or v in prog.fused or v in prog.carried:
+      return None
+    if cv in problem.free_values and v not in prog.outputs:
+      return None
+    return made
+
+
+def _cut_copies(problem: Problem, prog: _Program, v: int, sided) -> list[tuple[int, tuple]]:
+  """(reader, classes) of v's copies read through a cut (sequence parallelism): each
+  reader on the other side gets a transient copy in its layout (a norm's output
+  gathered into a dot, a dot's result reduce-scattered for the residual add), live at
+  the reader only, made over the classes v is made over. XLA gathers again rather than
+  keep a gathered copy from the forward pass to the backward (measured on the tiny zoo
+  under sequence-parallel plans: a copy held from its first reader to its last
+  over-counted XLA's peak by ~10%)."""
   g, canon = prog.graph, problem.view.op_canon
+  out = []
   for c in g.consumers.get(v, ()):
     rep = canon.get(c, c)
     if rep not in sided or c not in prog.live:
@@ -403,8 +398,8 @@ def _add_cut_copies(entries: Entries, problem: Problem, prog: _Program, v: int, 
       side = problem.read_sides.get((rep, y))
       if side is None:
         continue
-      entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v,
-                  problem.reader_dims[(y, side)], stored=made)
+      out.append((c, problem.reader_dims[(y, side)]))
+  return out
 
 
 def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes) -> None:
@@ -428,11 +423,12 @@ def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradient
   (in place): the gradient lives where it is made only."""
   if not gradients:
     return
-  g, pos = prog.graph, prog.pos
+  g, pos, made_of = prog.graph, prog.pos, _Made(problem, prog)
   at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end)
   for x, (read, last) in gradients.items():
     p, at = g.producer[x], at_of[x]
-    made, partial = _made(problem, g.ops[p], x), _partial_classes(problem, p)
+    made = made_of.classes(g.ops[p], g.ops[p].outputs.index(x), x)
+    partial = made_of.partial_classes(p)
     if made is None or not partial:
       continue
     first = entries.stop[own[x]] + 1 if x in own else pos[p]
@@ -448,9 +444,13 @@ def _add_loop_bodies(entries: Entries, problem: Problem, prog: _Program) -> None
   """What a loop's body writes out in one iteration, live at the loop's position (only
   a loop, whose representative has a body, writes out values of its body)."""
   g, canon = prog.graph, problem.view.op_canon
-  for j, op in enumerate(prog.top):
-    if op.index in prog.live and g.ops[canon.get(op.index, op.index)].subregions:
-      for v, made in loop_body_values(problem, op):
+  body: dict[int, list] = {}  # a copy's loop writes out what its representative's does
+  for j in prog.lineup.where(g, prog.top, lambda op: bool(op.subregions)):
+    op = prog.top[j]
+    if op.index in prog.live:
+      rep = canon.get(op.index, op.index)
+      for v, made in body[rep] if rep in body else body.setdefault(
+          rep, loop_body_values(problem, op)):
         entries.add(j, j, g.types[v].nbytes, v, made)
 
 
@@ -460,9 +460,11 @@ def _add_gathered_inputs(entries: Entries, problem: Problem, prog: _Program) -> 
   g = prog.graph
   for i in g.inputs:
     use = problem.reader_dims.get((problem.cv(i.value), False))
+    if use is None:
+      continue
     readers = sorted(prog.pos[c] for c in g.consumers.get(i.value, ()) if c in prog.live
                      and problem.view.op_canon.get(c, c) not in problem.update_ops)
-    if use is None or not readers:
+    if not readers:
       continue
     entries.add(readers[0], readers[-1], g.types[i.value].nbytes, i.value, use,
                 stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
@@ -717,13 +719,15 @@ def _hand_over_in_place(prog: _Program, entries: Entries) -> None:
   XLA runs these ops (`Facts.in_place`) in place: the result takes over the buffer of
   operand 0 when that is its last use (a scatter into zeros, the embedding gradient's
   scatter-add, say)."""
-  at: dict[int, int] = {}
-  for k, v in enumerate(entries.values):
-    at.setdefault(v, k)  # the value as written, not a later copy of it
-  in_place = {p for p in {op.primitive for op in prog.top} if ruleslib.facts(p).in_place}
+  ops = prog.lineup.where(prog.graph, prog.top,
+                         lambda op: ruleslib.facts(op.primitive).in_place)
+  if not ops:
+    return
+  n = len(entries.values)  # the value as written, not a later copy of it: its first entry
+  at = dict(zip(reversed(entries.values), range(n - 1, -1, -1)))
   start, stop = entries.start, entries.stop
-  for op in prog.top:
-    if op.primitive not in in_place or op.index not in prog.live or not op.inputs:
+  for op in map(prog.top.__getitem__, ops):
+    if op.index not in prog.live or not op.inputs:
       continue
     k = at.get(op.inputs[0])
     j = prog.pos[op.index]

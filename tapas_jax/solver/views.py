@@ -24,8 +24,30 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["View", "folded_view", "scan_bindings", "scan_region", "unfolded_view",
+__all__ = ["Copies", "View", "folded_view", "scan_bindings", "scan_region", "unfolded_view",
            "with_scan_bodies"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Copies:
+  """The interior copies of one unique layer that a folded view maps onto its
+  representative, as their op and value ids line up (what `live` maps per copy
+  rather than walking each).
+
+  Attributes:
+    rep: the representative's ops, in program order.
+    ops: per other interior copy, its ops, position for position with `rep`.
+    rep_values: the values `rep`'s ops make, op by op, output by output.
+    values: per other interior copy, the values its ops make, in the same order.
+    read_outside: the values of the representative or a copy read outside their own
+      instance, or returned by the program (`LayerInstance.outputs`).
+  """
+
+  rep: tuple[int, ...]
+  ops: tuple[tuple[int, ...], ...]
+  rep_values: tuple[int, ...]
+  values: tuple[tuple[int, ...], ...]
+  read_outside: frozenset[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +65,8 @@ class View:
     op_canon: op index -> the op standing for it (absent: itself).
     loops: scan ops whose bodies are searched in their place (the body's ops are in
       `ops`, each standing for trip-count executions).
+    copies: folded, per unique layer with interior copies, how they line up with
+      their representative.
   """
 
   ops: tuple[int, ...]
@@ -50,6 +74,7 @@ class View:
   weight: Mapping[int, int] = dataclasses.field(default_factory=dict)
   op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
   loops: frozenset[int] = frozenset()
+  copies: tuple[Copies, ...] = ()
 
 
 def scan_region(graph: Graph, op: Op):
@@ -123,8 +148,9 @@ def folded_view(folded: Folded) -> View:
   same, so one of them is searched for all, and the search's size stays flat in depth.
   """
   g = folded.graph
-  canon, weight, op_canon = {}, {}, {}
+  canon, weight, op_canon, copies = {}, {}, {}, []
   ops = {i for seg in folded.glue for i in seg.ops}
+  made = lambda inst: tuple(v for i in inst.ops for v in g.ops[i].outputs)  # noqa: E731
   for u in folded.unique_layers:
     members = [folded.instances[k] for k in u.instances]
     ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))
@@ -137,14 +163,20 @@ def folded_view(folded: Folded) -> View:
     for i in rep.ops:
       weight[i] = len(interior)
     params = g.input_path
-    for inst in interior:
-      if inst.index == rep.index:
-        continue
+    others = [inst for inst in interior if inst.index != rep.index]
+    rep_values = made(rep)
+    values = []
+    for inst in others:
       op_canon.update(zip(inst.ops, rep.ops))
+      values.append(made(inst))
+      canon.update(zip(values[-1], rep_values))
       for a, b in zip(inst.ops, rep.ops):
-        op_a, op_b = g.ops[a], g.ops[b]
-        canon.update(zip(op_a.outputs, op_b.outputs))
-        for va, vb in zip(op_a.inputs, op_b.inputs):
+        for va, vb in zip(g.ops[a].inputs, g.ops[b].inputs):
           if va in params and vb in params:
             canon[va] = vb  # this copy's parameter is laid out like the representative's
-  return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon)
+    if others:
+      copies.append(Copies(rep.ops, tuple(inst.ops for inst in others), rep_values,
+                           tuple(values), frozenset(v for inst in interior
+                                                    for v in inst.outputs)))
+  return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon,
+              copies=tuple(copies))

@@ -1,0 +1,129 @@
+"""What the state update reads of the rest of the program (`live.activations`' view of
+the optimizer): the values it is delivered, the ops fused into it, the gradients XLA
+reduces. Found from the values the update reads, not by walking every op: flat in
+depth where the view folds the layers (`live._Program.per_op` walks every op, the
+reference).
+
+`prog` below is `live._Program`: the top-level program as the memory model reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from tapas_jax.solver.problem import Problem
+
+__all__ = ["UpdateReads"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateReads:
+  """What the state update reads of the rest of the program.
+
+  Attributes:
+    delivered: value -> (classes the update reads it in, position of its last update
+      reader).
+    feeding: ops that only lead to delivered values through fused values (the
+      moments' `g ** 2`, `(1 - b) * g`): they fuse into the update, after the
+      gradient's reduction, whatever the program order, and write nothing of their own.
+    gradients: the gradients as XLA reduces them: the values a delivered value is
+      computed from through feeding ops (a tied weight's two gradients, each reduced on
+      its own; one gradient however many moments read it) -> (delivered classes, last
+      update reader).
+  """
+
+  delivered: Mapping[int, tuple[tuple[int, ...], int]]
+  feeding: frozenset[int] | set[int]
+  gradients: Mapping[int, tuple[tuple[int, ...], int]]
+
+  @classmethod
+  def of(cls, problem: Problem, prog) -> UpdateReads:
+    delivered = _delivered(problem, prog)
+    feeding = _feeding(prog, delivered, None if prog.per_op else _may_feed(prog, delivered))
+    return cls(delivered, feeding, _gradients(prog, delivered, feeding))
+
+
+def _delivered(problem: Problem, prog) -> dict[int, tuple[tuple[int, ...], int]]:
+  g, pos, live, update = prog.graph, prog.pos, prog.live, prog.update
+  vcanon = problem.view.canon
+  delivered = {}
+  by_update = {v for v, side in problem.reader_dims if side is True}
+  for w in ((w for op in prog.top if op.index in live for w in op.outputs) if prog.per_op
+            else _standing_for(prog, problem.view.copies, by_update)):
+    if vcanon.get(w, w) not in by_update or w in prog.outputs:
+      continue
+    updates = [pos[c] for c in g.consumers.get(w, ()) if c in live and c in update]
+    if updates:
+      delivered[w] = (tuple(problem.reader_dims[(vcanon.get(w, w), True)]), max(updates))
+  return delivered
+
+
+def _standing_for(prog, copies, values) -> list[int]:
+  """The values live top-level ops make that `values` stand for in the view: each
+  made outside the interior copies itself, and the copies' of the representative's,
+  in program order (op by op, output by output)."""
+  g, pos = prog.graph, prog.pos
+  found = set(values)
+  for c in copies:
+    cols = [s for s, v in enumerate(c.rep_values) if v in found]
+    if cols:
+      found.update(np.array(c.values, int)[:, cols].ravel().tolist())
+  made = [(pos[p], g.ops[p].outputs.index(w), w) for w in found
+          if (p := g.producer.get(w)) in pos and p in prog.live]
+  return [w for _, _, w in sorted(made)]
+
+
+def _feeding(prog, delivered, among: Iterable[int] | None = None) -> set[int]:
+  """The feeding ops (see `UpdateReads`), looked for among `among` (default: every
+  top-level op)."""
+  feeding: set[int] = set()
+  consumers, live, fused = prog.graph.consumers, prog.live, prog.fused
+  ops = (reversed(prog.top) if among is None else
+         (prog.graph.ops[i] for i in sorted(among, key=prog.pos.__getitem__, reverse=True)))
+  for op in ops:
+    if op.index in live and op.outputs and op.index not in prog.update and all(
+        w in delivered or (w in fused and all(c in feeding or c not in live
+                                              for c in consumers.get(w, ())))
+        for w in op.outputs):
+      feeding.add(op.index)
+  return feeding
+
+
+def _may_feed(prog, delivered) -> set[int]:
+  """The ops that can be feeding: those making a delivered value and, back from them,
+  those making a fused value one of these reads. (A feeding op's outputs are each
+  delivered or fused, and a fused value has a live reader, which must then be feeding
+  too: walking back from the delivered values finds them all.)"""
+  g, fused = prog.graph, prog.fused
+  todo = [g.producer[w] for w in delivered if w in g.producer]
+  out: set[int] = set()
+  while todo:
+    p = todo.pop()
+    if p in out or p not in prog.pos:
+      continue
+    out.add(p)
+    todo.extend(g.producer[v] for v in g.ops[p].inputs if v in fused)
+  return out
+
+
+def _gradients(prog, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
+  g, pos = prog.graph, prog.pos
+  gradients: dict[int, tuple[tuple[int, ...], int]] = {}
+  for w, (read, last) in delivered.items():
+    todo, seen = [w], set()
+    while todo:
+      x = todo.pop()
+      p = g.producer.get(x)
+      if x in seen or p not in pos or not g.types[x].shape or p in prog.update:
+        continue  # an input (a moment scaled in the update), a literal, a scalar, or
+        # made by the update itself
+      seen.add(x)
+      if p in feeding:
+        todo.extend(g.ops[p].inputs)
+      else:
+        dims0, last0 = gradients.get(x, (read, last))
+        gradients[x] = (dims0, max(last0, last))
+  return gradients

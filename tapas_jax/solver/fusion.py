@@ -100,11 +100,13 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     backward dots, the gate's sigmoid in the MLP's forward and backward fusions;
   * a one-hot scatter-add (`take_along_axis`'s transpose: one update per row, the
     loss's label gradient) is a select against an iota, elementwise;
-  * a dot or convolution read once, through fusible ops, by a sum is computed inside
-    the sum's fusion (`_output_fused`): a tied embedding's weight-gradient dot runs
-    where its gradient is summed with the lookup's scatter-add, its result never
-    written.
+  * in the top-level program (not a loop body's), a dot or convolution read once,
+    through fusible ops, by a sum is computed inside the sum's fusion
+    (`_output_fused`): a tied embedding's weight-gradient dot runs where its gradient
+    is summed with the lookup's scatter-add, its result never written.
   """
+  # Read off whole programs; inside a loop body the compiler was not seen to do it.
+  top_level_program = outputs is None
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
   out: set[int] = set()
@@ -140,7 +142,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
             and op.inputs[0] not in graph.producer):
           continue
       out.add(v)
-  if dot_operands:
+  if dot_operands and top_level_program:
     out.update(_output_fused(graph, top, live, outputs, out))
   return out
 

@@ -550,7 +550,9 @@ class _Recompute:
              for v, x in zip(op.inputs, vals)]
       for slot, sharding in self.pins.get(op.site, ()):
         ins[slot] = jax.lax.with_sharding_constraint(ins[slot], sharding)
-      copies.update(zip(op.outputs, jx.bind_eqn(eqn, ins)))
+      outs = (_scan(eqn, ins, op.site, self.pins) if _pins_inside(eqn, op.site, self.pins)
+              else jx.bind_eqn(eqn, ins))  # a loop reruns as it ran: pinned inside
+      copies.update(zip(op.outputs, outs))
     return copies, list(anchors)
 
 

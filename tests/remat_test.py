@@ -358,6 +358,29 @@ def test_a_scan_remat_drops_the_stacked_residuals_the_policy_does_not_save(polic
   assert before - after == (layers - 1) * n * d * 4
 
 
+
+def _loops_recomputed(scan_layers: bool, policy: str) -> list[str]:
+  """Name stacks of the loops an instance's remat recomputes whole (tiny LLaMA,
+  chunked attention: a `lax.map` in every layer)."""
+  m = models.get_model("llama", "tiny", num_layers=2, attention="chunked",
+                       attention_chunk=8, scan_layers=scan_layers)
+  g = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(4))
+  f = fold.fold(g)
+  return [g.ops[i].name_stack for u in f.unique_layers
+          for r in remat.layer_remats(f, u.index, policy)
+          if isinstance(r, remat.InstanceRemat) for i in r.recompute
+          if g.ops[i].subregions]
+
+
+def test_full_remat_recomputes_a_loop_inside_a_layer_but_not_a_scanned_stack():
+  # As `jax.checkpoint(nothing_saveable)` around the layer does: the attention's loop
+  # reruns in the backward rather than keeping its output from the forward. Under
+  # dots_saveable it stays saved; a scanned stack is rematerialised in its body.
+  assert _loops_recomputed(False, "nothing_saveable") == [
+      "jvp(Llama)/Block_0/Attention", "jvp(Llama)/Block_1/Attention"]
+  assert _loops_recomputed(False, "dots_saveable") == []
+  assert _loops_recomputed(True, "nothing_saveable") == []
+
 def trace_problem(g):
   return build_problem(g, cost.mesh_spec({"data": 1}, "cpu"), cost.get_profile("cpu"), None)
 

@@ -20,16 +20,18 @@ its own sharding solved under the budget, and keeps the fastest plan that fits.
 Approximations (stated, not hidden):
 - the recomputed copies are counted live from the layer's first backward read of a
   recomputed value to their last backward reader; XLA may schedule them otherwise;
-- ops holding loops or branches are never recomputed whole: they stay saved. A
-  scanned layer stack (`nn.scan`, `lax.scan`) is rematerialised inside its body
-  instead (`ScanRemat`): its forward loop stops writing out the stacked residuals the
-  policy does not save, and its backward loop recomputes them per iteration from what
-  stays (the layer's input, the parameters' slices). Under `dots_saveable` a dot output
-  the forward loop does not already write out is recomputed too (nothing new is
-  written out but a carry's per-iteration value). Needs the scan's operand counts,
-  which jax 0.11+ records only in its flat trees (`_jax_internals.scan_counts`); the
-  forward loop's operands the backward loop does not read are not kept longer in the
-  model, though the recomputation reads them;
+- ops holding branches or uncounted loops are never recomputed whole: they stay saved. A
+  counted loop inside a layer (a chunked attention's `lax.map`) is recomputed whole
+  under nothing_saveable (its body priced per iteration, its body's values live again
+  where it reruns), and saved under dots_saveable. A scanned layer stack (`nn.scan`,
+  `lax.scan`) is rematerialised inside its body instead (`ScanRemat`): its forward loop
+  stops writing out the stacked residuals the policy does not save, and its backward
+  loop recomputes them per iteration from what stays (the layer's input, the parameters'
+  slices). Under `dots_saveable` a dot output the forward loop does not already write
+  out is recomputed too (nothing new is written out but a carry's per-iteration value).
+  Needs the scan's operand counts, which jax 0.11+ records only in its flat trees
+  (`_jax_internals.scan_counts`); the forward loop's operands the backward loop does not
+  read are not kept longer in the model, though the recomputation reads them;
 - without a budget remat only costs time, so it is chosen only under a budget;
 - the originals' new last reader is the last reader left, without the reach a value
   gets from fused readers (`live.activations`); a recomputed value the activation
@@ -134,6 +136,16 @@ def _saved(op: Op, policy: str, graph: Graph | None = None) -> bool:
   return True
 
 
+def _loop_recomputed(graph: Graph, op: Op, policy: str, stacks) -> bool:
+  """Whether a counted loop inside a layer (a chunked attention's `lax.map`) is recomputed
+  whole: under nothing_saveable, as `jax.checkpoint` around the layer recomputes it, so
+  its outputs (the attention's, 192 MiB a layer at LLaMA-3-8B's recipe shape) are not
+  kept from the forward to the backward. A scanned layer stack (`stacks`: a forward scan
+  whose backward scan reads it) is rematerialised inside its body instead (`ScanRemat`)."""
+  return (policy == "nothing_saveable" and op.index not in stacks
+          and scan_region(graph, op) is not None)
+
+
 def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRemat | None:
   """The recomputation of one instance (its top-level ops) under a policy; None when
   nothing would be recomputed (no backward, or everything saved)."""
@@ -143,7 +155,9 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
   # Each op's side read once (a name-stack scan per op; the passes below reuse them).
   primal = [i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])]
   backward = [b for b in ops if is_backward(graph.ops[b])]
-  forward = {i for i in primal if not _saved(graph.ops[i], policy, graph)}
+  stacks = {f for f, _ in _scan_loops(graph, ops)}  # rematerialised in their bodies
+  forward = {i for i in primal if not _saved(graph.ops[i], policy, graph)
+             or _loop_recomputed(graph, graph.ops[i], policy, stacks)}
   producer = graph.producer
   reads, recompute, stack = [], set(), []
   for b in backward:
@@ -340,6 +354,9 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         # An op's output, never a gathered parameter: nothing stored apart.
         extra.add(first, max((pos[b] for b in readers), default=first), acts.nbytes[k],
                   v, acts.dims[k])
+      # A recomputed loop holds its body's values again while it runs, there.
+      for v, made in loop_body_values(problem, g.ops[p]) if g.ops[p].subregions else ():
+        extra.add(first, first, g.types[v].nbytes, v, made)
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
   return acts.with_entries(extra, start=start, stop=stop)

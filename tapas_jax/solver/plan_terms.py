@@ -179,8 +179,10 @@ def _constraints(problem: Problem, choice: Choice,
   for op in top:
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
+    if rule is None or not rule.reduce or not op.outputs:
+      continue
     tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
-    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+    if len(tensors) < 2:
       continue
     v = op.outputs[0]
     made = spec([None if f is None else problem.vclass(v, d)
@@ -202,12 +204,23 @@ def _constraints(problem: Problem, choice: Choice,
                    spec([problem.value_class.get((key[2], d)) for d in range(key[3])]))
     return pair[key]
 
+  # Per op standing for others, its slots read through a cut: asked once, not per copy
+  # (a copy reads in the slots its representative does; most ops read none).
+  cut_slots: dict[int, list[tuple[int, int]]] = {}
   for op in top:
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
-    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      if x in g.literals or read_dims(rep, y) is None:
+    slots = cut_slots.get(rep)
+    if slots is None:
+      slots = cut_slots[rep] = [(k, y) for k, y in enumerate(g.ops[rep].inputs)
+                                if read_dims(rep, y) is not None]
+    inputs = op.inputs
+    for k, y in slots:
+      if k >= len(inputs):  # as zip: a copy has its representative's inputs
+        break
+      x = inputs[k]
+      if x in g.literals:
         continue
       if x in fixed:
         want, have = spec(read_dims(rep, y)), PartitionSpec(*fixed[x].to_partition_spec())

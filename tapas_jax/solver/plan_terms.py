@@ -47,15 +47,18 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
   """`choice` (with `reasons`, the `remat` chosen and the inputs stored in a fixed
   layout, `input_layouts`) in plan terms; `folded` names the remat's layers."""
   g, fixed = problem.graph, input_layouts or {}
-  stored = {i.value: PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, choice))
-                                   .to_partition_spec()) for i in g.inputs}
+  # A folded layer's copies of a parameter stand for one value (`View.canon`): their
+  # specs are its, asked once per (value standing for it, rank, fixed layout).
+  specs: dict[tuple, tuple[PartitionSpec, PartitionSpec | None]] = {}
   inputs = []
   for i in g.inputs:
-    classes = problem.reader_dims.get((problem.cv(i.value), False))
-    used = _spec(classes, choice) if classes is not None else None
-    inputs.append(InputSpec(value=i.value, path=i.path, type=str(g.types[i.value]),
-                            stored=stored[i.value],
-                            used=used if used != stored[i.value] else None))
+    t = g.types[i.value]
+    key = (problem.cv(i.value), len(t.shape), fixed.get(i.value))
+    if key not in specs:
+      specs[key] = _input_specs(problem, choice, i.value, key[2])
+    stored, used = specs[key]
+    inputs.append(InputSpec(value=i.value, path=i.path, type=str(t), stored=stored,
+                            used=used))
   if remat and folded is None:
     raise ValueError("plan_terms: a rematerialised solution needs the program's folded=")
   return PlanTerms(
@@ -65,6 +68,15 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
       decisions=_decisions(problem, choice, reasons), class_axes=_class_axes(problem, choice),
       remat=rematlib.policy_names(folded, remat) if remat else (),
       gradient_fences=math.isfinite(problem.profile.combine_threshold_bytes))
+
+
+def _input_specs(problem: Problem, choice: Choice, v: int, fixed: costlib.Layout | None
+                 ) -> tuple[PartitionSpec, PartitionSpec | None]:
+  """(stored, used) specs of input v: `used` where the compute reads it otherwise."""
+  stored = PartitionSpec(*(fixed or problem.layout(v, choice)).to_partition_spec())
+  classes = problem.reader_dims.get((problem.cv(v), False))
+  used = _spec(classes, choice) if classes is not None else None
+  return stored, used if used != stored else None
 
 
 def _class_axes(problem: Problem, choice: Choice) -> tuple:

@@ -38,6 +38,8 @@ def memory_tables(problem: Problem,
   total: dict[tuple[int, ...], float] = {}
   tiled: dict[tuple[int, ...], np.ndarray] = {}
   fixed_bytes = 0.0
+  # A folded layer's copies of a parameter stand for one value: classes asked once.
+  scopes: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
   for i in problem.graph.inputs:
     t = problem.graph.types[i.value]
     if i.value in fixed:
@@ -47,8 +49,11 @@ def memory_tables(problem: Problem,
                       if problem.profile.memory_tile
                       else t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh))
       continue
-    dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
-    key = _scope(problem, dims)
+    at = (problem.cv(i.value), len(t.shape))
+    if at not in scopes:
+      dims = tuple(problem.vclass(i.value, d) for d in range(at[1]))
+      scopes[at] = dims, _scope(problem, dims)
+    dims, key = scopes[at]
     if problem.profile.memory_tile:  # each shard's tiles: per input, per choice
       table = _stored_table(problem, t, dims, key)
       tiled[key] = tiled[key] + table if key in tiled else table

@@ -165,15 +165,19 @@ def folded_view(folded: Folded) -> View:
     params = g.input_path
     others = [inst for inst in interior if inst.index != rep.index]
     rep_values = made(rep)
+    # The representative's reads of parameters, (op's place, slot, parameter): only
+    # there can a copy read a parameter that maps onto it.
+    reads = [(k, j, vb) for k, b in enumerate(rep.ops)
+             for j, vb in enumerate(g.ops[b].inputs) if vb in params]
     values = []
     for inst in others:
       op_canon.update(zip(inst.ops, rep.ops))
       values.append(made(inst))
       canon.update(zip(values[-1], rep_values))
-      for a, b in zip(inst.ops, rep.ops):
-        for va, vb in zip(g.ops[a].inputs, g.ops[b].inputs):
-          if va in params and vb in params:
-            canon[va] = vb  # this copy's parameter is laid out like the representative's
+      for k, j, vb in reads:  # copies of one layer: the same ops, the same slots
+        inputs = g.ops[inst.ops[k]].inputs
+        if inputs[j] in params:
+          canon[inputs[j]] = vb  # this copy's parameter is laid out like the representative's
     if others:
       copies.append(Copies(rep.ops, tuple(inst.ops for inst in others), rep_values,
                            tuple(values), frozenset(v for inst in interior

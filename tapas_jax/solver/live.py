@@ -206,7 +206,8 @@ def _program(problem: Problem, cache: dict | None, per_op: bool = False) -> _Pro
   top = tuple(g.region_ops(0))
   pos = dict(zip(map(operator.attrgetter("index"), top), range(len(top))))
   live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
-                          dot_operands=problem.profile.dot_operand_fusion)
+                          dot_operands=problem.profile.dot_operand_fusion,
+                          copies=() if per_op else problem.view.copies)
   lineup = Lineup.of(g, pos, () if per_op else problem.view.copies, problem.view.op_canon)
   update = problem.update_ops
   return _Program(graph=g, top=top, pos=pos, live=live, fused=fused,

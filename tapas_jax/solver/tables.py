@@ -603,7 +603,7 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   """(ops XLA removes, values that never reach memory) of the top level and of every
   scan body the view searches (a body fuses as the top level does)."""
   g = problem.graph
-  live, fused = top_level(g, cache)
+  live, fused = top_level(g, cache, copies=problem.view.copies)
   dead = {op.index for op in g.region_ops(0)} - live
   unwritten = set(fused)
   for loop in problem.view.loops:

@@ -26,6 +26,7 @@ import math
 import re
 from typing import Mapping, Sequence
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from tapas_jax import cost as costlib
@@ -182,13 +183,18 @@ def _constraints(problem: Problem, choice: Choice,
     return specs[key]
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
-  top = g.region_ops(0)
+  top = _Top(g, view)
   out = []
+
+  def reduces(rep):
+    rule = problem.rules.get(rep)
+    return rule is not None and bool(rule.reduce)
+
   # Contractions' results as planned, reduced where they are made: XLA propagates the
   # rest from these, and otherwise picks layouts of its own between them. A reader
   # through a cut gets the made layout first, then its own (below): XLA reduces the
   # result where it is made and reshards it, as the cut is priced.
-  for op in top:
+  for op in top.where(reduces):
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
     if rule is None or not rule.reduce or not op.outputs:
@@ -219,14 +225,18 @@ def _constraints(problem: Problem, choice: Choice,
   # Per op standing for others, its slots read through a cut: asked once, not per copy
   # (a copy reads in the slots its representative does; most ops read none).
   cut_slots: dict[int, list[tuple[int, int]]] = {}
-  for op in top:
+
+  def slots_of(rep):
+    if rep not in cut_slots:
+      cut_slots[rep] = [(k, y) for k, y in enumerate(g.ops[rep].inputs)
+                        if read_dims(rep, y) is not None]
+    return cut_slots[rep]
+
+  for op in top.where(slots_of):
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
-    slots = cut_slots.get(rep)
-    if slots is None:
-      slots = cut_slots[rep] = [(k, y) for k, y in enumerate(g.ops[rep].inputs)
-                                if read_dims(rep, y) is not None]
+    slots = slots_of(rep)
     inputs = op.inputs
     for k, y in slots:
       if k >= len(inputs):  # as zip: a copy has its representative's inputs
@@ -249,6 +259,32 @@ def _constraints(problem: Problem, choice: Choice,
         out.append(Constraint(site=op.site, slot=k, spec=have))
       out.append(Constraint(site=op.site, slot=k, spec=want))
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+class _Top:
+  """The top-level ops, found by what is asked of the op standing for each: a folded
+  layer's interior copies (`View.copies`) are asked once, as their representative, not
+  one op at a time (the constraints' walk stays flat in depth)."""
+
+  def __init__(self, graph, view):
+    self.graph, self.view = graph, view
+    copied = np.zeros(len(graph.ops), bool)
+    for c in view.copies:
+      copied[np.array(c.ops, int).ravel()] = True
+    copied = copied.tolist()
+    self.outside = [op.index for op in graph.region_ops(0) if not copied[op.index]]
+
+  def where(self, keep) -> list:
+    """The top-level ops, in program order, whose standing-for op (`View.op_canon`)
+    `keep` holds for (asked with its index)."""
+    canon = self.view.op_canon
+    found = [i for i in self.outside if keep(canon.get(i, i))]
+    for c in self.view.copies:
+      slots = [k for k, i in enumerate(c.rep) if keep(i)]
+      if slots:
+        found += np.array(c.ops, int)[:, slots].ravel().tolist()
+    ops = self.graph.ops
+    return [ops[i] for i in sorted(found)]  # a region's ops are in program order
 
 
 def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]

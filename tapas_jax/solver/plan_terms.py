@@ -26,7 +26,6 @@ import math
 import re
 from typing import Mapping, Sequence
 
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from tapas_jax import cost as costlib
@@ -36,6 +35,7 @@ from tapas_jax.solver.explain import Reason
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Constraint, Decision, InputSpec, PlanTerms
 from tapas_jax.solver.tables import mesh_dims
+from tapas_jax.solver.views import Standing
 
 __all__ = ["plan_terms"]
 
@@ -183,7 +183,7 @@ def _constraints(problem: Problem, choice: Choice,
     return specs[key]
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
-  top = _Top(g, view)
+  top = Standing(g, view)
   out = []
 
   def reduces(rep):
@@ -259,32 +259,6 @@ def _constraints(problem: Problem, choice: Choice,
         out.append(Constraint(site=op.site, slot=k, spec=have))
       out.append(Constraint(site=op.site, slot=k, spec=want))
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
-
-
-class _Top:
-  """The top-level ops, found by what is asked of the op standing for each: a folded
-  layer's interior copies (`View.copies`) are asked once, as their representative, not
-  one op at a time (the constraints' walk stays flat in depth)."""
-
-  def __init__(self, graph, view):
-    self.graph, self.view = graph, view
-    copied = np.zeros(len(graph.ops), bool)
-    for c in view.copies:
-      copied[np.array(c.ops, int).ravel()] = True
-    copied = copied.tolist()
-    self.outside = [op.index for op in graph.region_ops(0) if not copied[op.index]]
-
-  def where(self, keep) -> list:
-    """The top-level ops, in program order, whose standing-for op (`View.op_canon`)
-    `keep` holds for (asked with its index)."""
-    canon = self.view.op_canon
-    found = [i for i in self.outside if keep(canon.get(i, i))]
-    for c in self.view.copies:
-      slots = [k for k, i in enumerate(c.rep) if keep(i)]
-      if slots:
-        found += np.array(c.ops, int)[:, slots].ravel().tolist()
-    ops = self.graph.ops
-    return [ops[i] for i in sorted(found)]  # a region's ops are in program order
 
 
 def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]

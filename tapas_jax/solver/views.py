@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import numpy as np
+
 from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["Copies", "View", "folded_view", "scan_bindings", "scan_region", "unfolded_view",
-           "with_scan_bodies"]
+__all__ = ["Copies", "Standing", "View", "folded_view", "scan_bindings", "scan_region",
+           "unfolded_view", "with_scan_bodies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,45 @@ class View:
   op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
   loops: frozenset[int] = frozenset()
   copies: tuple[Copies, ...] = ()
+
+
+class Standing:
+  """A graph's ops found by what is asked of the op standing for each
+  (`View.op_canon`): a folded layer's interior copies (`View.copies`) are asked once,
+  as their representative, not one op at a time (what reads them stays flat in depth).
+
+  Example:
+    >>> from tapas_jax import models, fold, trace
+    >>> m = models.get_model("gpt", "tiny", num_layers=6)
+    >>> graph = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+    >>> view = folded_view(fold.fold(graph))
+    >>> dots = lambda i: graph.ops[i].primitive == "dot_general"
+    >>> Standing(graph, view).where(dots) == [op for op in graph.region_ops(0)
+    ...                                       if dots(view.op_canon.get(op.index, op.index))]
+    True
+  """
+
+  def __init__(self, graph: Graph, view: View, region: int | None = 0):
+    """`region`: the ops of that region (the top level), or None: every op."""
+    self.graph, self.view = graph, view
+    copied = np.zeros(len(graph.ops), bool)
+    for c in view.copies:
+      copied[np.array(c.ops, int).ravel()] = True
+    copied = copied.tolist()
+    ops = graph.ops if region is None else graph.region_ops(region)
+    self.outside = [op.index for op in ops if not copied[op.index]]
+
+  def where(self, keep) -> list[Op]:
+    """The ops, in program order, whose standing-for op `keep` holds for (asked with
+    its index)."""
+    canon = self.view.op_canon
+    found = [i for i in self.outside if keep(canon.get(i, i))]
+    for c in self.view.copies:
+      slots = [k for k, i in enumerate(c.rep) if keep(i)]
+      if slots:
+        found += np.array(c.ops, int)[:, slots].ravel().tolist()
+    ops = self.graph.ops
+    return [ops[i] for i in sorted(found)]  # ops are numbered in program order
 
 
 def scan_region(graph: Graph, op: Op):

@@ -39,7 +39,7 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.problem import Problem
-from tapas_jax.solver.views import scan_region
+from tapas_jax.solver.views import Standing, scan_region
 from tapas_jax.trace import Op, TensorType
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
@@ -654,10 +654,8 @@ def _activation_cut_copies(problem: Problem, builder: TableBuilder
   # Searched ops reading through a cut (the others add nothing).
   searched = {op.index for op in builder.ops} & {r for r, _ in problem.read_sides}
   read: dict[tuple[int, object], dict[int, int]] = {}
-  for op in g.ops:
+  for op in Standing(g, view, region=None).where(searched.__contains__):
     rep = view.op_canon.get(op.index, op.index)
-    if rep not in searched:
-      continue
     unit = view.weight.get(op.index, 1) if op.region != 0 else 1
     for x, y in zip(op.inputs, g.ops[rep].inputs):
       side = problem.read_sides.get((rep, problem.cv(y)))

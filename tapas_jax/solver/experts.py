@@ -111,6 +111,7 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
   # its shape: asked once per (that value, shape), not once per copy.
   picks: dict[tuple, tuple[int, int] | None] = {}
   picked: dict[int, tuple[int, int]] = {}  # state input -> (dim, class) stored split
+  kind: dict[int, tuple[int, int]] = {}  # state input -> (standing for, rank)
   for i in problem.graph.inputs:
     shape = problem.graph.types[i.value].shape
     if i.value in problem.batch_inputs or not shape:
@@ -121,17 +122,16 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
               if shape[d] % n == 0 and (key[0], d) not in stacked]
       picks[key] = (dims[0], problem.vclass(i.value, dims[0])) if dims else None
     if picks[key] is not None:
-      picked[i.value] = picks[key]
+      picked[i.value], kind[i.value] = picks[key], (key[0], len(shape))
   # A class may store one input's dim and be another dim of another input (a square
   # kernel's two dims): stored split, that input would name the axes twice.
-  kinds = {(problem.cv(v), len(problem.graph.types[v].shape), k): v
-           for v, (k, _) in picked.items()}
+  kinds = {(*kind[v], k): v for v, (k, _) in picked.items()}
   twice = {problem.vclass(v, d) for (_, rank, k), v in kinds.items()
            for d in range(rank) if d != k}
   choice, layouts = {}, {}
   split: dict[tuple, bool] = {}  # (standing for, rank, dim, class) -> a storage class's
   for v, (k, c) in picked.items():
-    key = (problem.cv(v), len(problem.graph.types[v].shape), k, c)
+    key = (*kind[v], k, c)
     if key not in split:
       split[key] = (problem.stored_apart(v) and c not in compute and c not in twice
                     and axes in problem.domains[c])

@@ -89,10 +89,12 @@ class Activations:
   def kinds(self) -> tuple[tuple[tuple, ...], np.ndarray]:
     """(distinct (dims, stored, unless, only) among the entries, each entry's index
     in them): entries alike take the same share of their bytes under any plan."""
-    stored = self.stored or (None,) * len(self.dims)
+    n = len(self.dims)
+    stored = self.stored or (None,) * n
+    unless = self.unless + ((),) * (n - len(self.unless))  # as `unless_of` reads them
+    only = self.only + ((),) * (n - len(self.only))
     seen: dict[tuple, int] = {}
-    index = [seen.setdefault((d, s, self.unless_of(k), self.only_of(k)), len(seen))
-             for k, (d, s) in enumerate(zip(self.dims, stored))]
+    index = [seen.setdefault(key, len(seen)) for key in zip(self.dims, stored, unless, only)]
     return tuple(seen), np.array(index, int)
 
 

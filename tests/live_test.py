@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tapas_jax import cost, fold, models, trace
-from tapas_jax.solver import build_problem, folded_view, live
+from tapas_jax.solver import build_problem, folded_view, fusion, live
 import styles  # tests/styles.py: train steps in common library styles
 
 # Six layers (ten for the MoE's alternating blocks, five blocks a ResNet stage): the
@@ -44,6 +44,14 @@ def assert_same(a: live.Activations, b: live.Activations) -> None:
 
 def _assert_folded_path_is_the_walk(graph):
   view = folded_view(fold.fold(graph))
+  top = graph.region_ops(0)
+  alive = fusion.live_ops(graph, top)
+  for duplicate, dots in ((True, False), (False, False), (True, True)):
+    # The fused values with the interior copies mapped (`copies=`) are the walk's.
+    walked, mapped = (fusion.fused_values(graph, top, alive, reductions_duplicate=duplicate,
+                                          dot_operands=dots, copies=copies)
+                      for copies in ((), view.copies))
+    assert walked == mapped, (duplicate, dots)
   for device in PROFILES:
     for mesh, cuts in MESHES:
       p = build_problem(graph, cost.mesh_spec(mesh, device), cost.get_profile(device),

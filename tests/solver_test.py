@@ -580,6 +580,20 @@ def test_a_solution_states_itself_in_plan_terms_once():
     dataclasses.replace(solution, make_terms=None).terms  # noqa: B018
 
 
+def test_ops_are_found_asking_each_folded_copy_as_its_representative():
+  # `views.Standing.where` (the constraints' and the cut copies' walks) finds what a
+  # walk over every op finds asking each op's standing-for op: the same ops, in
+  # program order, with copies to map; at the top level or in every region.
+  problem = gpt_problem(6, fold=True)
+  g, canon = problem.graph, problem.view.op_canon
+  assert problem.view.copies, "interior copies to ask as their representative"
+  for region, ops in ((0, g.region_ops(0)), (None, g.ops)):
+    standing = solver.views.Standing(g, problem.view, region)
+    for keep in (lambda i: g.ops[i].primitive == "dot_general", lambda i: i % 3 == 0,
+                 lambda i: i in problem.rules):
+      assert standing.where(keep) == [op for op in ops if keep(canon.get(op.index, op.index))]
+
+
 def test_a_layout_stated_by_its_specs_is_stored_as_stated():
   # The solved plan's own layout, stated per input path (stored as, used as), costed
   # again: every input is stored as it was, and the figures are the same.

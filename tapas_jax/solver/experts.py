@@ -106,27 +106,39 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
   axes = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
   n = math.prod(problem.mesh.size(a) for a in axes)
   stacked, compute = stacked_dims(problem), _compute_classes(problem)
+  # Each question below is one of the value standing for the input (`View.canon`: a
+  # folded layer's copies of a parameter are laid out as their representative), and
+  # its shape: asked once per (that value, shape), not once per copy.
+  picks: dict[tuple, tuple[int, int] | None] = {}
   picked: dict[int, tuple[int, int]] = {}  # state input -> (dim, class) stored split
+  kind: dict[int, tuple[int, int]] = {}  # state input -> (standing for, rank)
   for i in problem.graph.inputs:
     shape = problem.graph.types[i.value].shape
     if i.value in problem.batch_inputs or not shape:
       continue
-    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
-            if shape[d] % n == 0 and (problem.cv(i.value), d) not in stacked]
-    if dims:
-      picked[i.value] = (dims[0], problem.vclass(i.value, dims[0]))
+    key = (problem.cv(i.value), shape)
+    if key not in picks:
+      dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
+              if shape[d] % n == 0 and (key[0], d) not in stacked]
+      picks[key] = (dims[0], problem.vclass(i.value, dims[0])) if dims else None
+    if picks[key] is not None:
+      picked[i.value], kind[i.value] = picks[key], (key[0], len(shape))
   # A class may store one input's dim and be another dim of another input (a square
   # kernel's two dims): stored split, that input would name the axes twice.
-  twice = {problem.vclass(v, d) for v, (k, _) in picked.items()
-           for d in range(len(problem.graph.types[v].shape)) if d != k}
+  kinds = {(*kind[v], k): v for v, (k, _) in picked.items()}
+  twice = {problem.vclass(v, d) for (_, rank, k), v in kinds.items()
+           for d in range(rank) if d != k}
   choice, layouts = {}, {}
+  split: dict[tuple, bool] = {}  # (standing for, rank, dim, class) -> a storage class's
   for v, (k, c) in picked.items():
-    if (problem.stored_apart(v) and c not in compute and c not in twice
-        and axes in problem.domains[c]):
+    key = (*kind[v], k, c)
+    if key not in split:
+      split[key] = (problem.stored_apart(v) and c not in compute and c not in twice
+                    and axes in problem.domains[c])
+    if split[key]:
       choice[c] = axes
     else:
-      layouts[v] = costlib.Layout(tuple(axes if d == k else ()
-                                        for d in range(len(problem.graph.types[v].shape))))
+      layouts[v] = costlib.Layout(tuple(axes if d == k else () for d in range(key[1])))
   for _, outer, _, read in problem.scan_cuts:
     # A scanned stack's gradient, made one layer per iteration: written into the stack
     # split as its parameter is stored (each layer reduce-scattered in the loop), not

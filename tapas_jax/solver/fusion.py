@@ -20,12 +20,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.memo import memo
 from tapas_jax.trace import Graph, Op
+
+if TYPE_CHECKING:
+  from tapas_jax.solver.views import Copies
 
 __all__ = ["fused_values", "fuses_into", "live_ops", "top_level"]
 
@@ -45,10 +50,12 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
 
 
 def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: bool = True,
-              dot_operands: bool = False) -> tuple[set[int], set[int]]:
+              dot_operands: bool = False, copies: Sequence[Copies] = ()
+              ) -> tuple[set[int], set[int]]:
   """(`live_ops`, `fused_values`) of the top-level program, kept in `cache` (a search's
   table cache) so that the cost tables and the memory model, and every problem of one
   search, walk the program once. Read-only: callers must not change the sets.
+  `copies` (a folded view's `View.copies`) only makes it faster: the same sets.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -63,14 +70,15 @@ def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: 
     top = graph.region_ops(0)
     live = live_ops(graph, top)
     return live, fused_values(graph, top, live, reductions_duplicate=reductions_duplicate,
-                              dot_operands=dot_operands)
+                              dot_operands=dot_operands, copies=copies)
 
   return memo(cache, ("fusion", reductions_duplicate, dot_operands), (graph,), build)
 
 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
                  outputs: Sequence[int] | None = None, *,
-                 reductions_duplicate: bool = True, dot_operands: bool = False) -> set[int]:
+                 reductions_duplicate: bool = True, dot_operands: bool = False,
+                 copies: Sequence[Copies] = ()) -> set[int]:
   """Values XLA computes inside their readers' fusions and never writes out.
 
   A fusible op's result is fused into its readers when every live reader is a fusion
@@ -104,11 +112,18 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     through fusible ops, by a sum is computed inside the sum's fusion
     (`_output_fused`): a tied embedding's weight-gradient dot runs where its gradient
     is summed with the lookup's scatter-add, its result never written.
+
+  `copies` (the top level's only: a folded view's `View.copies`): a copy's value read
+  only inside its instance is decided as its representative's is (`_mapped`), without
+  walking its op; the same set.
   """
   # Read off whole programs; inside a loop body the compiler was not seen to do it.
   top_level_program = outputs is None
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
+  # The TPU compiler's rules read chains across instances: every op is walked there.
+  skip, mapped = (_mapped(graph, copies, live, outputs, into_reduction)
+                  if copies and top_level_program and not dot_operands else (set(), ()))
   out: set[int] = set()
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
   ops, consumers = graph.ops, graph.consumers
@@ -117,7 +132,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   takes = {p: _reader_fuses(ops[i], dot_operands)
            for p, i in {op.primitive: op.index for op in top}.items()}
   for op in top:
-    if op.index not in live:
+    if op.index not in live or op.index in skip:
       continue
     one_hot = dot_operands and _one_hot_scatter(graph, op)  # its combiner is a region
     if not (one_hot or (ruleslib.facts(op.primitive).fusible and not op.subregions)):
@@ -144,6 +159,52 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
       out.add(v)
   if dot_operands and top_level_program:
     out.update(_output_fused(graph, top, live, outputs, out))
+  for rep_values, values in mapped:  # as the representative's, decided above
+    taken = [s for s, v in enumerate(rep_values.tolist()) if v in out]
+    out.update(values[:, taken].ravel().tolist())
+  return out
+
+
+def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set[int],
+            into_reduction: set[int]) -> tuple[set[int], list]:
+  """(ops `fused_values` need not walk, [(representative's values, the copies' values:
+  one row per copy)]) of the values decided as their representative's.
+
+  A value is decided by its op, its live readers and whether it is an output. A copy's
+  value that neither it nor the representative's reads outside its own instance is
+  read by the copies of the representative's readers (one fingerprint: the same ops
+  and wiring); where every op of the layer is live, and taken into a reduction, in
+  every copy as in the representative, the copy's value is fused just where the
+  representative's is. An op is skipped where every value it makes maps.
+  """
+  live_mask = _mask(live, len(graph.ops))
+  reduction_mask = _mask(into_reduction, len(graph.ops))
+  output_mask = _mask(outputs, len(graph.types))
+  skip: set[int] = set()
+  mapped = []
+  for c in copies:
+    rep, ops = np.array(c.rep, int), np.array(c.ops, int)
+    rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
+    if not rep_values.size or not all((m[ops] == m[rep]).all()
+                                      for m in (live_mask, reduction_mask)):
+      continue
+    outside = np.fromiter(c.read_outside, int, len(c.read_outside))
+    bad = (np.isin(rep_values, outside) | np.isin(values, outside).any(0)
+           | output_mask[rep_values] | output_mask[values].any(0))
+    # Per op of the layer, how many values it makes do not map (`rep_values` lists
+    # them op by op, output by output).
+    made = [len(graph.ops[i].outputs) for i in c.rep]
+    owner = np.repeat(np.arange(len(made)), made)
+    unmapped = np.bincount(owner, weights=bad, minlength=len(made))
+    skip.update(ops[:, unmapped == 0].ravel().tolist())
+    keep = np.flatnonzero(~bad)
+    mapped.append((rep_values[keep], values[:, keep]))
+  return skip, mapped
+
+
+def _mask(ids, size: int) -> np.ndarray:
+  out = np.zeros(size, bool)
+  out[np.fromiter(ids, int, len(ids))] = True
   return out
 
 

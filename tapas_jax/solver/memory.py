@@ -38,6 +38,8 @@ def memory_tables(problem: Problem,
   total: dict[tuple[int, ...], float] = {}
   tiled: dict[tuple[int, ...], np.ndarray] = {}
   fixed_bytes = 0.0
+  # A folded layer's copies of a parameter stand for one value: classes asked once.
+  scopes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
   for i in problem.graph.inputs:
     t = problem.graph.types[i.value]
     if i.value in fixed:
@@ -47,13 +49,16 @@ def memory_tables(problem: Problem,
                       if problem.profile.memory_tile
                       else t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh))
       continue
-    dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
-    key = _scope(problem, dims)
+    at = (problem.cv(i.value), t.shape, t.dtype)
+    if at not in scopes:
+      dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
+      scopes[at] = dims, _scope(problem, dims), t.nbytes
+    dims, key, nbytes = scopes[at]
     if problem.profile.memory_tile:  # each shard's tiles: per input, per choice
       table = _stored_table(problem, t, dims, key)
       tiled[key] = tiled[key] + table if key in tiled else table
       continue
-    total[key] = total.get(key, 0.0) + t.nbytes
+    total[key] = total.get(key, 0.0) + nbytes
   out = [Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
   out += [Table(key, table, np.zeros_like(table)) for key, table in tiled.items()]
   return out + _bytes_tables(problem, total)

@@ -35,6 +35,7 @@ from tapas_jax.solver.explain import Reason
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Constraint, Decision, InputSpec, PlanTerms
 from tapas_jax.solver.tables import mesh_dims
+from tapas_jax.solver.views import Standing
 
 __all__ = ["plan_terms"]
 
@@ -47,15 +48,21 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
   """`choice` (with `reasons`, the `remat` chosen and the inputs stored in a fixed
   layout, `input_layouts`) in plan terms; `folded` names the remat's layers."""
   g, fixed = problem.graph, input_layouts or {}
-  stored = {i.value: PartitionSpec(*(fixed.get(i.value) or problem.layout(i.value, choice))
-                                   .to_partition_spec()) for i in g.inputs}
+  # A folded layer's copies of a parameter stand for one value (`View.canon`): their
+  # specs are its, asked once per (value standing for it, rank, fixed layout).
+  specs: dict[tuple, tuple[PartitionSpec, PartitionSpec | None]] = {}
+  names: dict[tuple, str] = {}  # a type's text, once per (dtype, shape)
   inputs = []
   for i in g.inputs:
-    classes = problem.reader_dims.get((problem.cv(i.value), False))
-    used = _spec(classes, choice) if classes is not None else None
-    inputs.append(InputSpec(value=i.value, path=i.path, type=str(g.types[i.value]),
-                            stored=stored[i.value],
-                            used=used if used != stored[i.value] else None))
+    t = g.types[i.value]
+    key = (problem.cv(i.value), len(t.shape), fixed.get(i.value))
+    if key not in specs:
+      specs[key] = _input_specs(problem, choice, i.value, key[2])
+    stored, used = specs[key]
+    if (t.dtype, t.shape) not in names:
+      names[(t.dtype, t.shape)] = str(t)
+    inputs.append(InputSpec(value=i.value, path=i.path, type=names[(t.dtype, t.shape)],
+                            stored=stored, used=used))
   if remat and folded is None:
     raise ValueError("plan_terms: a rematerialised solution needs the program's folded=")
   return PlanTerms(
@@ -65,6 +72,15 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
       decisions=_decisions(problem, choice, reasons), class_axes=_class_axes(problem, choice),
       remat=rematlib.policy_names(folded, remat) if remat else (),
       gradient_fences=math.isfinite(problem.profile.combine_threshold_bytes))
+
+
+def _input_specs(problem: Problem, choice: Choice, v: int, fixed: costlib.Layout | None
+                 ) -> tuple[PartitionSpec, PartitionSpec | None]:
+  """(stored, used) specs of input v: `used` where the compute reads it otherwise."""
+  stored = PartitionSpec(*(fixed or problem.layout(v, choice)).to_partition_spec())
+  classes = problem.reader_dims.get((problem.cv(v), False))
+  used = _spec(classes, choice) if classes is not None else None
+  return stored, used if used != stored else None
 
 
 def _class_axes(problem: Problem, choice: Choice) -> tuple:
@@ -170,21 +186,32 @@ def _constraints(problem: Problem, choice: Choice,
     return specs[key]
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
-  top = g.region_ops(0)
+  top = Standing(g, view)
   out = []
+  made_as: dict[tuple[int, int], PartitionSpec] = {}
+
+  def reduces(rep):
+    rule = problem.rules.get(rep)
+    return rule is not None and bool(rule.reduce)
+
   # Contractions' results as planned, reduced where they are made: XLA propagates the
   # rest from these, and otherwise picks layouts of its own between them. A reader
   # through a cut gets the made layout first, then its own (below): XLA reduces the
   # result where it is made and reshards it, as the cut is priced.
-  for op in top:
+  for op in top.where(reduces):
     rep = view.op_canon.get(op.index, op.index)
     rule = problem.rules.get(rep)
+    if rule is None or not rule.reduce or not op.outputs:
+      continue
     tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
-    if rule is None or not rule.reduce or len(tensors) < 2 or not op.outputs:
+    if len(tensors) < 2:
       continue
     v = op.outputs[0]
-    made = spec([None if f is None else problem.vclass(v, d)
-                 for d, f in enumerate(rule.outputs[0])])
+    key = (rep, problem.cv(v))  # copies of a layer make alike: one spec each
+    if key not in made_as:
+      made_as[key] = spec([None if f is None else problem.vclass(v, d)
+                           for d, f in enumerate(rule.outputs[0])])
+    made = made_as[key]
     for r in g.consumers.get(v, ()):
       reader, rep_r = g.ops[r], view.op_canon.get(r, r)
       if reader.region != 0:
@@ -202,12 +229,27 @@ def _constraints(problem: Problem, choice: Choice,
                    spec([problem.value_class.get((key[2], d)) for d in range(key[3])]))
     return pair[key]
 
-  for op in top:
+  # Per op standing for others, its slots read through a cut: asked once, not per copy
+  # (a copy reads in the slots its representative does; most ops read none).
+  cut_slots: dict[int, list[tuple[int, int]]] = {}
+
+  def slots_of(rep):
+    if rep not in cut_slots:
+      cut_slots[rep] = [(k, y) for k, y in enumerate(g.ops[rep].inputs)
+                        if read_dims(rep, y) is not None]
+    return cut_slots[rep]
+
+  for op in top.where(slots_of):
     # Each copy reads as the op standing for it does: an interior copy reading the
     # last layer's output reads it through the representative's cut.
     rep = view.op_canon.get(op.index, op.index)
-    for k, (x, y) in enumerate(zip(op.inputs, g.ops[rep].inputs)):
-      if x in g.literals or read_dims(rep, y) is None:
+    slots = slots_of(rep)
+    inputs = op.inputs
+    for k, y in slots:
+      if k >= len(inputs):  # as zip: a copy has its representative's inputs
+        break
+      x = inputs[k]
+      if x in g.literals:
         continue
       if x in fixed:
         want, have = spec(read_dims(rep, y)), PartitionSpec(*fixed[x].to_partition_spec())

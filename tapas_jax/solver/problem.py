@@ -734,10 +734,11 @@ def _examples(prog: _Program, u: _United) -> dict[int, str]:
   for (v, d, _), c in u.side_class.items():  # where a parameter is used
     if v in graph.input_path and c not in example:
       example[c] = f"{graph.input_path[v]}[{d}]"
-  for i in graph.inputs:  # where it is stored
+  for i in graph.inputs:  # where it is stored (named once: copies share their classes)
+    v = cv(i.value)
     for d in range(len(graph.types[i.value].shape)):
-      stored = " stored" if cv(i.value) in prog.cut_use else ""
-      example.setdefault(u.value_class[(cv(i.value), d)], f"{i.path}[{d}]{stored}")
+      if (c := u.value_class[(v, d)]) not in example:
+        example[c] = f"{i.path}[{d}]{' stored' if v in prog.cut_use else ''}"
   for op in prog.top:  # classes no input holds: named by an op that makes them
     for v in op.outputs:
       for d in range(len(graph.types[v].shape)):

@@ -282,18 +282,29 @@ def layer_remats(folded: Folded, layer: int, policy: str
                  ) -> list[InstanceRemat | ScanRemat]:
   """`instance_remat` of every instance of a unique layer (those with something to do),
   and `scan_remat` of each scanned stack in it."""
-  out: list[InstanceRemat | ScanRemat] = []
-  for k in folded.unique_layers[layer].instances:
-    ops = folded.instances[k].ops
-    r = instance_remat(folded.graph, ops, policy)
-    if r is not None:
-      out.append(r)
-    if policy in POLICIES[1:]:
-      for f, b in _scan_loops(folded.graph, ops):
-        s = scan_remat(folded.graph, f, b, policy)
-        if s is not None:
-          out.append(s)
-  return out
+  return [r for k in folded.unique_layers[layer].instances
+          for r in _instance_remats(folded, k, policy)]
+
+
+def _instance_remats(folded: Folded, instance: int, policy: str):
+  """`layer_remats`' part for one instance, one remat at a time."""
+  ops = folded.instances[instance].ops
+  r = instance_remat(folded.graph, ops, policy)
+  if r is not None:
+    yield r
+  if policy in POLICIES[1:]:
+    for f, b in _scan_loops(folded.graph, ops):
+      s = scan_remat(folded.graph, f, b, policy)
+      if s is not None:
+        yield s
+
+
+def remat_able(folded: Folded, layer: int, policy: str = "nothing_saveable") -> bool:
+  """Whether `layer_remats` has anything for the layer, asked instance by instance
+  until one has: the first usually answers for all (copies are alike), where listing
+  them all walks every instance."""
+  return any(next(_instance_remats(folded, k, policy), None) is not None
+             for k in folded.unique_layers[layer].instances)
 
 
 def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRemat]
@@ -531,8 +542,7 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
     (result, {unique layer index: policy} of the layers rematerialised, cost tables
     of the chosen plan, activations of the chosen plan).
   """
-  layers = [u.index for u in folded.unique_layers
-            if layer_remats(folded, u.index, "nothing_saveable")]
+  layers = [u.index for u in folded.unique_layers if remat_able(folded, u.index)]
   combos: list[tuple[str, ...]]
   if len(POLICIES) ** len(layers) <= MAX_COMBINATIONS:
     combos = list(itertools.product(POLICIES, repeat=len(layers)))

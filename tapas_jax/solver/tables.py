@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -39,7 +40,7 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.problem import Problem
-from tapas_jax.solver.views import scan_region
+from tapas_jax.solver.views import Standing, scan_region
 from tapas_jax.trace import Op, TensorType
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
@@ -603,8 +604,10 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   """(ops XLA removes, values that never reach memory) of the top level and of every
   scan body the view searches (a body fuses as the top level does)."""
   g = problem.graph
-  live, fused = top_level(g, cache)
-  dead = {op.index for op in g.region_ops(0)} - live
+  live, fused = top_level(g, cache, copies=problem.view.copies)
+  dead = set(map(operator.attrgetter("index"), g.region_ops(0))) - live
+  if not problem.view.loops:
+    return frozenset(dead), frozenset(fused)
   unwritten = set(fused)
   for loop in problem.view.loops:
     region = scan_region(g, g.ops[loop])
@@ -654,10 +657,8 @@ def _activation_cut_copies(problem: Problem, builder: TableBuilder
   # Searched ops reading through a cut (the others add nothing).
   searched = {op.index for op in builder.ops} & {r for r, _ in problem.read_sides}
   read: dict[tuple[int, object], dict[int, int]] = {}
-  for op in g.ops:
+  for op in Standing(g, view, region=None).where(searched.__contains__):
     rep = view.op_canon.get(op.index, op.index)
-    if rep not in searched:
-      continue
     unit = view.weight.get(op.index, 1) if op.region != 0 else 1
     for x, y in zip(op.inputs, g.ops[rep].inputs):
       side = problem.read_sides.get((rep, problem.cv(y)))

@@ -18,14 +18,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from typing import Mapping
+
+import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["Copies", "View", "folded_view", "scan_bindings", "scan_region", "unfolded_view",
-           "with_scan_bodies"]
+__all__ = ["Copies", "Standing", "View", "folded_view", "scan_bindings", "scan_region",
+           "unfolded_view", "with_scan_bodies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,46 @@ class View:
   op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
   loops: frozenset[int] = frozenset()
   copies: tuple[Copies, ...] = ()
+
+
+class Standing:
+  """A graph's ops found by what is asked of the op standing for each
+  (`View.op_canon`): a folded layer's interior copies (`View.copies`) are asked once,
+  as their representative, not one op at a time (what reads them stays flat in depth).
+
+  Example:
+    >>> from tapas_jax import models, fold, trace
+    >>> m = models.get_model("gpt", "tiny", num_layers=6)
+    >>> graph = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(2))
+    >>> view = folded_view(fold.fold(graph))
+    >>> dots = lambda i: graph.ops[i].primitive == "dot_general"
+    >>> Standing(graph, view).where(dots) == [op for op in graph.region_ops(0)
+    ...                                       if dots(view.op_canon.get(op.index, op.index))]
+    True
+  """
+
+  def __init__(self, graph: Graph, view: View, region: int | None = 0):
+    """`region`: the ops of that region (the top level), or None: every op."""
+    self.graph, self.view = graph, view
+    copied = np.zeros(len(graph.ops), bool)
+    for c in view.copies:
+      copied[np.array(c.ops, int).ravel()] = True
+    # The ops in no copy (few: the glue, the first and last instances, the
+    # representatives), in a region's program order (op order).
+    self.outside = [i for i in np.flatnonzero(~copied).tolist()
+                    if region is None or graph.ops[i].region == region]
+
+  def where(self, keep) -> list[Op]:
+    """The ops, in program order, whose standing-for op `keep` holds for (asked with
+    its index)."""
+    canon = self.view.op_canon
+    found = [i for i in self.outside if keep(canon.get(i, i))]
+    for c in self.view.copies:
+      slots = [k for k, i in enumerate(c.rep) if keep(i)]
+      if slots:
+        found += np.array(c.ops, int)[:, slots].ravel().tolist()
+    ops = self.graph.ops
+    return [ops[i] for i in sorted(found)]  # ops are numbered in program order
 
 
 def scan_region(graph: Graph, op: Op):
@@ -150,7 +194,11 @@ def folded_view(folded: Folded) -> View:
   g = folded.graph
   canon, weight, op_canon, copies = {}, {}, {}, []
   ops = {i for seg in folded.glue for i in seg.ops}
-  made = lambda inst: tuple(v for i in inst.ops for v in g.ops[i].outputs)  # noqa: E731
+  outputs = operator.attrgetter("outputs")
+  # The values an instance's ops make, op by op, output by output (without a Python
+  # frame per op: every interior copy is listed).
+  made = lambda inst: tuple(itertools.chain.from_iterable(  # noqa: E731
+      map(outputs, map(g.ops.__getitem__, inst.ops))))
   for u in folded.unique_layers:
     members = [folded.instances[k] for k in u.instances]
     ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))
@@ -165,15 +213,19 @@ def folded_view(folded: Folded) -> View:
     params = g.input_path
     others = [inst for inst in interior if inst.index != rep.index]
     rep_values = made(rep)
+    # The representative's reads of parameters, (op's place, slot, parameter): only
+    # there can a copy read a parameter that maps onto it.
+    reads = [(k, j, vb) for k, b in enumerate(rep.ops)
+             for j, vb in enumerate(g.ops[b].inputs) if vb in params]
     values = []
     for inst in others:
       op_canon.update(zip(inst.ops, rep.ops))
       values.append(made(inst))
       canon.update(zip(values[-1], rep_values))
-      for a, b in zip(inst.ops, rep.ops):
-        for va, vb in zip(g.ops[a].inputs, g.ops[b].inputs):
-          if va in params and vb in params:
-            canon[va] = vb  # this copy's parameter is laid out like the representative's
+      for k, j, vb in reads:  # copies of one layer: the same ops, the same slots
+        inputs = g.ops[inst.ops[k]].inputs
+        if inputs[j] in params:
+          canon[inputs[j]] = vb  # this copy's parameter is laid out like the representative's
     if others:
       copies.append(Copies(rep.ops, tuple(inst.ops for inst in others), rep_values,
                            tuple(values), frozenset(v for inst in interior

@@ -406,7 +406,8 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
     if len(fps) == 1:
       for k in keys:
         members[k] = merged[k]
-        edges[k] = [i for i in edges[k] if i not in set(back[k])]
+        returned = set(back[k])
+        edges[k] = [i for i in edges[k] if i not in returned]
 
 
 def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],

@@ -195,28 +195,64 @@ def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
   return total
 
 
-def _match(unit_touch: list[set[int]], touches: list[set[int]]) -> tuple[int, dict]:
-  """Greedy one-to-one unit -> instance matching by shared values; (score, mapping)."""
-  pairs = sorted(((len(t & touches[i]), -u, -i, u, i)
-                  for u, t in enumerate(unit_touch) for i in range(len(touches))),
+class _Touches:
+  """The values each instance reads or writes, indexed by value: matching a unit asks
+  which instances share its values, and scanning every instance per unit would make
+  folding quadratic in depth."""
+
+  def __init__(self):
+    self.sets: list[set[int]] = []
+    self._by_value: dict[int, list[int]] = collections.defaultdict(list)
+
+  def __len__(self) -> int:
+    return len(self.sets)
+
+  def append(self, values: set[int]) -> None:
+    self.sets.append(set())
+    self.add(len(self.sets) - 1, values)
+
+  def add(self, k: int, values: set[int]) -> None:
+    new = values - self.sets[k]
+    self.sets[k] |= new
+    for v in new:
+      self._by_value[v].append(k)
+
+  def shared(self, values: Iterable[int]) -> dict[int, int]:
+    """Instance -> how many of `values` it touches (instances touching none left out)."""
+    counts: dict[int, int] = {}
+    for v in values:
+      for k in self._by_value.get(v, ()):
+        counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+def _match(unit_touch: list[set[int]], touches: _Touches,
+           among: set[int] | None = None) -> tuple[int, dict]:
+  """Greedy one-to-one unit -> instance matching by shared values; (score, mapping).
+
+  Only instances in `among`, where given, are candidates."""
+  pairs = sorted(((shared, -u, -i, u, i)
+                  for u, t in enumerate(unit_touch)
+                  for i, shared in touches.shared(t).items()
+                  if shared >= 2 and (among is None or i in among)),
                  reverse=True)
   target: dict[int, int] = {}
   used, score = set(), 0
   for shared, _, _, u, i in pairs:
-    if shared >= 2 and u not in target and i not in used:
+    if u not in target and i not in used:
       target[u] = i
       used.add(i)
       score += shared
   # A span may hold two units per instance (Adam corrects mu, then nu, leaf by leaf
   # with identical ops): the rest go to the instance they share most with.
   for shared, _, _, u, i in pairs:
-    if shared >= 2 and u not in target:
+    if u not in target:
       target[u] = i
       score += shared
   return score, target
 
 
-def _split_straddling(graph: Graph, ops: list[int], touches: list[set[int]],
+def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
                       target: int) -> dict[int, list[int]]:
   """Instance -> ops of a unit matched to `target`, split where the unit straddles.
 
@@ -231,8 +267,7 @@ def _split_straddling(graph: Graph, ops: list[int], touches: list[set[int]],
     return {target: list(ops)}
   owner: dict[int, int] = {}
   for i in ops:
-    t = _touch(graph, [i])
-    hits = {k for k, inst in enumerate(touches) if t & inst}
+    hits = set(touches.shared(_touch(graph, [i])))
     if len(hits) == 1:
       owner[i] = hits.pop()
   if len(set(owner.values())) <= 1:
@@ -280,7 +315,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
 
   instances: list[list[int]] = []
   names: list[str] = []
-  touches: list[set[int]] = []
+  touches = _Touches()
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     # Candidate phases: the cheapest cuts within one period.
     # Cut in the second period: the first one has nothing made before it.
@@ -309,7 +344,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
       if u in target:
         for owner, part in _split_straddling(graph, ops, touches, target[u]).items():
           instances[owner].extend(part)
-          touches[owner] |= _touch(graph, part)
+          touches.add(owner, _touch(graph, part))
       elif contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
@@ -320,11 +355,11 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   for op in top:
     if loop_trip(graph, op) and op.index not in claimed:
       t = _touch(graph, [op.index])
-      _, target = _match([t], [touches[k] for k in loops])
+      _, target = _match([t], touches, among=set(loops))
       if 0 in target:
-        k = loops[target[0]]
+        k = target[0]
         instances[k].append(op.index)
-        touches[k] |= t
+        touches.add(k, t)
       else:
         loops.append(len(instances))
         instances.append([op.index])

@@ -152,10 +152,18 @@ def instance_remat(graph: Graph, ops: Sequence[int], policy: str) -> InstanceRem
   if policy not in POLICIES:
     raise ValueError(f"remat policy {policy!r} is not one of {POLICIES}")
   mine = set(ops)
-  # Each op's side read once (a name-stack scan per op; the passes below reuse them).
-  primal = [i for i in ops if graph.ops[i].region == 0 and is_forward(graph.ops[i])]
-  backward = [b for b in ops if is_backward(graph.ops[b])]
-  stacks = {f for f, _ in _scan_loops(graph, ops)}  # rematerialised in their bodies
+  # Each op's side read once (a name-stack scan per op; the passes below reuse them):
+  # a transposed op is backward, never primal.
+  primal, backward = [], []
+  for i in ops:
+    op = graph.ops[i]
+    if is_backward(op):
+      backward.append(i)
+    elif op.region == 0 and is_forward(op):
+      primal.append(i)
+  # Scanned stacks are rematerialised in their bodies; only a loop can be one.
+  stacks = ({f for f, _ in _scan_loops(graph, ops)}
+            if any(graph.ops[i].subregions for i in primal) else set())
   forward = {i for i in primal if not _saved(graph.ops[i], policy, graph)
              or _loop_recomputed(graph, graph.ops[i], policy, stacks)}
   producer = graph.producer
@@ -221,7 +229,8 @@ class ScanRemat:
 def _scan_loops(graph: Graph, ops: Sequence[int]):
   """(forward scan, backward scan) pairs among these ops: a backward (transposed) scan
   reading a forward one's outputs, both with known operand counts."""
-  loops = [i for i in ops if graph.ops[i].region == 0 and scan_region(graph, graph.ops[i])
+  loops = [i for i in ops if graph.ops[i].subregions and graph.ops[i].region == 0
+           and scan_region(graph, graph.ops[i])
            and jx.scan_counts(graph.ops[i].raw_params) is not None]
   for f in loops:
     if not is_forward(graph.ops[f]):

@@ -517,20 +517,54 @@ def _edge_table(shape, itemsize, src, partial, dst, domains, mesh, profile):
   """`_edge_cost` for every choice of `domains` (the edge's own positions, in order):
   (seconds, inf where impossible; bytes sent; impossible). Read-only: shared."""
   size = tuple(len(d) for d in domains)
-  seconds, nbytes, fails = np.empty(size), np.zeros(size), np.zeros(size, bool)
+  # A table has a row per choice of every position, but each side's dims (and the
+  # partial axes) depend on their own positions only, and many choices lay both sides
+  # out alike: each is worked out once per choice of the positions it reads, each
+  # distinct edge once.
+  src_of = _per_choice(src, domains, mesh_dims)
+  dst_of = _per_choice(dst, domains, mesh_dims)
+  part_of = _per_choice(None if partial is None else partial[1], domains,
+                        lambda _, axes: _eval_partial(partial, axes))
+  costs: dict[tuple, tuple[float, float] | None] = {}
+  seconds, nbytes, fails = [], [], []
   for idx in itertools.product(*(range(n) for n in size)):
-    axes = tuple(domains[k][i] for k, i in enumerate(idx))
-    src_d = src.dims if isinstance(src, costlib.Layout) else mesh_dims(src, axes)
-    dst_d = dst.dims if isinstance(dst, costlib.Layout) else mesh_dims(dst, axes)
-    edge = _edge_cost(shape, itemsize, src_d, _eval_partial(partial, axes), dst_d, mesh,
-                      profile)
+    key = (src_of(idx), part_of(idx), dst_of(idx))
+    edge = costs[key] if key in costs else costs.setdefault(
+        key, _edge_cost(shape, itemsize, key[0], key[1], key[2], mesh, profile))
     if edge is None:
-      seconds[idx], fails[idx] = np.inf, True
+      seconds.append(np.inf)
+      nbytes.append(0.0)
+      fails.append(True)
     else:
-      seconds[idx], nbytes[idx] = edge
-  for a in (seconds, nbytes, fails):
+      seconds.append(edge[0])
+      nbytes.append(edge[1])
+      fails.append(False)
+  out = (np.array(seconds, float).reshape(size), np.array(nbytes, float).reshape(size),
+         np.array(fails, bool).reshape(size))
+  for a in out:
     a.setflags(write=False)
-  return seconds, nbytes, fails
+  return out
+
+
+def _per_choice(side, domains, compute):
+  """idx -> `compute(side, axes)` for a choice idx of every position, computed once per
+  choice of the positions `side` reads. `side`: scope positions (None where a dim
+  reads none), a fixed `Layout` (its dims), or None (no partial sums: ())."""
+  if side is None:
+    return lambda idx: ()
+  if isinstance(side, costlib.Layout):
+    return lambda idx: side.dims
+  used = sorted({q for q in side if q is not None})
+  key = operator.itemgetter(*used) if used else (lambda idx: ())
+  memo: dict = {}
+
+  def of(idx):
+    k = key(idx)
+    found = memo.get(k)
+    if found is None:
+      found = memo[k] = compute(side, tuple(domains[q][i] for q, i in enumerate(idx)))
+    return found
+  return of
 
 
 def _divided(n, shards: np.ndarray) -> np.ndarray:

@@ -58,16 +58,28 @@ def aval_of(atom: Any) -> tuple[tuple[int, ...], str]:
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return (), type(aval).__name__
-  name = np.dtype(dtype).name if _is_numpy_dtype(dtype) else str(dtype)
-  return tuple(int(d) for d in shape), name
+  return tuple(map(int, shape)), _dtype_name(dtype)
 
 
-def _is_numpy_dtype(dtype: Any) -> bool:
+# dtype -> its name: asked once per value traced, and numpy computes `dtype.name` anew
+# on every read (a tenth of the walk of an 8B train step).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
   try:
-    np.dtype(dtype)
-    return True
+    return _DTYPE_NAMES[dtype]
+  except (KeyError, TypeError):  # not seen yet, or unhashable
+    pass
+  try:
+    name = np.dtype(dtype).name
+  except TypeError:  # not a numpy dtype (a PRNG key's, say)
+    name = str(dtype)
+  try:
+    _DTYPE_NAMES[dtype] = name
   except TypeError:
-    return False
+    pass
+  return name
 
 
 def name_stack(eqn: Any) -> str:

@@ -52,23 +52,29 @@ class TensorType:
   shape: tuple[int, ...]
   dtype: str
 
-  @property
+  # Derived once per type (a frozen value; the graph shares one object per shape and
+  # dtype): the search reads them for every value it prices.
+  @functools.cached_property
   def size(self) -> int:
     return math.prod(self.shape)
 
-  @property
+  @functools.cached_property
   def itemsize(self) -> int:
     try:
       return np.dtype(self.dtype).itemsize
     except TypeError:
       return 0
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
     return self.size * self.itemsize
 
-  def __str__(self) -> str:
+  @functools.cached_property
+  def _text(self) -> str:
     return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+  def __str__(self) -> str:
+    return self._text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,8 +200,8 @@ def _constraints(problem: Problem, choice: Choice,
   # result where it is made and reshards it, as the cut is priced.
   for op in top.where(reduces):
     rep = view.op_canon.get(op.index, op.index)
-    rule = problem.rules.get(rep)
-    if rule is None or not rule.reduce or not op.outputs:
+    rule = problem.rules[rep]  # `reduces` held for it
+    if not op.outputs:
       continue
     tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
     if len(tensors) < 2:

@@ -172,16 +172,28 @@ class Folded:
 scope_of = jx.scope_of
 
 
+class _Scopes(dict):
+  """Name stack -> `scope_of` it, parsed once per distinct stack.
+
+  The ops of one module share a stack; Keras gives each op its own, and the scope tree
+  and the layer names ask for every op's scope, so a parse per ask was most of folding.
+  """
+
+  def __missing__(self, name_stack: str) -> tuple[str, ...]:
+    scope = self[name_stack] = scope_of(name_stack)
+    return scope
+
+
 class _ScopeTree:
   """Top-level ops grouped by scope prefix."""
 
-  def __init__(self, graph: Graph, ops: Sequence[Op]):
+  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes):
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
     for op in ops:
-      scope = _op_scope(graph, op)
+      scope = _op_scope(graph, op, stack_scopes)
       if loop_trip(graph, op):
         self.loops.add(scope)
       # Layer identity is decided on the ops that are not transposed (the forward, and
@@ -200,12 +212,12 @@ class _ScopeTree:
 
 
 
-def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
+def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
   """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
-  scope = scope_of(op.name_stack)
+  scope = stack_scopes[op.name_stack]
   if not loop_trip(graph, op):
     return scope
-  body = [scope_of(o.name_stack)[len(scope):] for o in graph.ops
+  body = [stack_scopes[o.name_stack][len(scope):] for o in graph.ops
           if o.region in op.subregions]
   common = body[0] if body else ()
   for s in body[1:]:
@@ -216,9 +228,10 @@ def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
   return scope + common
 
 
-def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
+def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str],
+                      stack_scopes: _Scopes):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
-  tree = _ScopeTree(graph, top)
+  tree = _ScopeTree(graph, top, stack_scopes)
   layers: dict[tuple[str, ...], list[int]] = {}
   glue: dict[tuple[str, ...], list[int]] = {}
 
@@ -436,22 +449,29 @@ def _layer_name(scope: tuple[str, ...], method: str) -> str:
 
 
 def _distinct_names(graph: Graph, groups: list[list[tuple[str, ...]]],
-                    base: list[str]) -> list[str]:
+                    base: list[str], stack_scopes: _Scopes) -> list[str]:
   """Where two unique layers share a name, tell them apart by their child scopes."""
   counts = collections.Counter(base)
   names = list(base)
-  for k, scopes in enumerate(groups):
+  if all(counts[b] < 2 for b in base):
+    return names
+  # Scopes of the top level, each once: Keras names every op, so a scan per op and
+  # per group would be quadratic.
+  top_scopes = {stack_scopes[op.name_stack] for op in graph.region_ops(0)}
+  kids_of: dict[tuple[str, ...], set[str]] = {}
+
+  def kids(scope):
+    if scope not in kids_of:
+      kids_of[scope] = {s[len(scope)] for s in top_scopes
+                        if len(s) > len(scope) and s[:len(scope)] == scope}
+    return kids_of[scope]
+
+  for k, group in enumerate(groups):
     if counts[base[k]] < 2:
       continue
-    scope = scopes[0]
-    kids = sorted({s[len(scope)] for op in graph.ops if op.region == 0
-                   for s in [scope_of(op.name_stack)]
-                   if len(s) > len(scope) and s[:len(scope)] == scope})
-    others = set().union(*[
-        {s[len(o[0])] for op in graph.ops if op.region == 0
-         for s in [scope_of(op.name_stack)] if len(s) > len(o[0]) and s[:len(o[0])] == o[0]}
-        for j, o in enumerate(groups) if j != k and base[j] == base[k]] or [set()])
-    own = [c for c in kids if c not in others]
+    others = set().union(*[kids(o[0]) for j, o in enumerate(groups)
+                           if j != k and base[j] == base[k]] or [set()])
+    own = [c for c in sorted(kids(group[0])) if c not in others]
     names[k] = f"{base[k]}[{','.join(own) or k}]"
   return names
 
@@ -480,17 +500,18 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   start = time.perf_counter()
   top = graph.region_ops(0)
   blind = _offset_blind(graph)
-  found = _segment_by_names(graph, top, blind) if use_names else None
+  stack_scopes = _Scopes()
+  found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
   if found is None:
     return _finish(graph, top, segment_by_structure(graph, top, blind), "structure", start,
-                   blind)
-  by_names = _finish(graph, top, found, "names", start, blind)
+                   blind, stack_scopes)
+  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes)
   if _in_layers(by_names) >= _NAMES_ENOUGH:
     return by_names
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
   by_structure = _finish(graph, top, segment_by_structure(graph, top, blind), "structure",
-                         start, blind)
+                         start, blind, stack_scopes)
   if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
     return by_structure
   return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
@@ -501,7 +522,7 @@ def _in_layers(folded: Folded) -> float:
 
 
 def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
-            blind: dict[int, str]) -> Folded:
+            blind: dict[int, str], stack_scopes: _Scopes) -> Folded:
   """Instances, unique layers and glue from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
@@ -551,7 +572,8 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
                     inputs=inputs, outputs=outputs, trip_count=trip)
       for pos, (scope, ops, inputs, outputs, trip, fp) in enumerate(raw))
   groups = [[raw[p][0] for p in positions] for positions in by_fp.values()]
-  names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups])
+  names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups],
+                          stack_scopes)
   unique = tuple(
       UniqueLayer(index=n, name=names[n], fingerprint=fp, instances=tuple(positions),
                   num_ops=len(raw[positions[0]][1]),

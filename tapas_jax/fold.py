@@ -383,7 +383,8 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
 
 
 def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, list[int]],
-                           edges: dict[int, list[int]], blind: dict[int, str]) -> None:
+                           edges: dict[int, list[int]], blind: dict[int, str]
+                           ) -> dict[int, str]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -392,11 +393,16 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
   the blocks) lack in one copy. Sums whose signature every copy of a unique layer holds
   equally often, and that read a value the copy makes, go back in; kept only where the
   copies still fingerprint alike. Updates `members` and `edges` in place.
+
+  Returns:
+    Each instance's fingerprint, of its members as they end up (the caller's grouping
+    into unique layers: fingerprinting is most of this pass, so it is done once).
   """
   order = {op.index: j for j, op in enumerate(top)}
+  fingerprints = {k: _fingerprint(graph, members[k], blind) for k in edges}
   groups = collections.defaultdict(list)
   for k in edges:
-    groups[subgraph_fingerprint([graph.ops[i] for i in members[k]], signature=blind)].append(k)
+    groups[fingerprints[k]].append(k)
 
   made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
 
@@ -414,13 +420,28 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
     back = {k: [i for i in edges[k]
                 if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
     merged = {k: sorted(members[k] + back[k], key=order.__getitem__) for k in keys}
-    fps = {subgraph_fingerprint([graph.ops[i] for i in merged[k]], signature=blind)
-           for k in keys}
-    if len(fps) == 1:
+    fps = _same_fingerprint(graph, [merged[k] for k in keys], blind)
+    if fps is not None:
       for k in keys:
         members[k] = merged[k]
+        fingerprints[k] = fps
         returned = set(back[k])
         edges[k] = [i for i in edges[k] if i not in returned]
+  return fingerprints
+
+
+def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
+  return subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
+
+
+def _same_fingerprint(graph: Graph, op_lists: Sequence[Sequence[int]],
+                      blind: dict[int, str]) -> str | None:
+  """The fingerprint all of `op_lists` share, or None (found at the first that differs)."""
+  first = _fingerprint(graph, op_lists[0], blind)
+  for ops in op_lists[1:]:
+    if _fingerprint(graph, ops, blind) != first:
+      return None
+  return first
 
 
 def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
@@ -553,14 +574,14 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   edges = {}
   for k in layer_keys:
     members[k], edges[k] = _split_edge_sums(graph, members[k])
-  _restore_balanced_sums(graph, top, members, edges, blind)
+  fingerprints = _restore_balanced_sums(graph, top, members, edges, blind)
   sums = [i for k in layer_keys for i in edges[k]]
 
   by_fp: dict[str, list[int]] = {}
   raw = []
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
+    fp = fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
     inputs, outputs = _boundary_values(graph, ops)
     trip = _stack_trip(graph, ops)

@@ -162,18 +162,43 @@ def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
   return np.cumsum(delta)[:stop - start]
 
 
-def _touch(graph: Graph, ops: Iterable[int]) -> set[int]:
-  """Non-scalar, non-literal values an op set reads or writes."""
-  out = set()
-  for i in ops:
-    op = graph.ops[i]
-    for v in op.inputs + op.outputs:
-      if v not in graph.literals and graph.types[v].shape:
-        out.add(v)
-  return out
+class _OpFacts:
+  """What matching and alignment read of each op, found once per op.
+
+  Every candidate phase cuts the same span into units again, so per unit and phase
+  these were found anew for every op; kept here for one `segment_by_structure` call.
+  """
+
+  def __init__(self, graph: Graph):
+    self._graph = graph
+    self._values: dict[int, tuple[int, ...]] = {}
+    self._paths: dict[int, tuple[list[str], ...]] = {}
+
+  def touch(self, ops: Iterable[int]) -> set[int]:
+    """Non-scalar, non-literal values an op set reads or writes."""
+    out = set()
+    for i in ops:
+      values = self._values.get(i)
+      if values is None:
+        op = self._graph.ops[i]
+        values = self._values[i] = tuple(v for v in op.inputs + op.outputs
+                                         if v not in self._graph.literals
+                                         and self._graph.types[v].shape)
+      out.update(values)
+    return out
+
+  def input_paths(self, i: int) -> tuple[list[str], ...]:
+    """Key paths, split at "/", of the graph inputs op `i` reads, in operand order."""
+    paths = self._paths.get(i)
+    if paths is None:
+      input_path = self._graph.input_path
+      paths = self._paths[i] = tuple(input_path[v].split("/")
+                                     for v in self._graph.ops[i].inputs
+                                     if v in input_path)
+    return paths
 
 
-def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
+def _path_affinity(facts: _OpFacts, units: list[list[int]]) -> int:
   """How well units line up with the argument pytree: summed common path prefixes.
 
   A unit cut at the true layer boundary reads `params/blocks/3/...` only; a rotated
@@ -181,17 +206,21 @@ def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
   """
   total = 0
   for ops in units:
-    paths = [graph.input_path[v].split("/") for i in ops for v in graph.ops[i].inputs
-             if v in graph.input_path]
-    if not paths:
-      continue
-    common = paths[0]
-    for path in paths[1:]:
+    # The prefix all paths share is the one the least and the greatest share.
+    lo = hi = None
+    for i in ops:
+      for path in facts.input_paths(i):
+        if lo is None:
+          lo = hi = path
+        elif path < lo:
+          lo = path
+        elif path > hi:
+          hi = path
+    if lo is not None:
       n = 0
-      while n < min(len(common), len(path)) and common[n] == path[n]:
+      while n < min(len(lo), len(hi)) and lo[n] == hi[n]:
         n += 1
-      common = common[:n]
-    total += len(common)
+      total += n
   return total
 
 
@@ -217,6 +246,10 @@ class _Touches:
     for v in new:
       self._by_value[v].append(k)
 
+  def holders(self, v: int) -> Sequence[int]:
+    """The instances that touch value `v`."""
+    return self._by_value.get(v, ())
+
   def shared(self, values: Iterable[int]) -> dict[int, int]:
     """Instance -> how many of `values` it touches (instances touching none left out)."""
     counts: dict[int, int] = {}
@@ -231,11 +264,15 @@ def _match(unit_touch: list[set[int]], touches: _Touches,
   """Greedy one-to-one unit -> instance matching by shared values; (score, mapping).
 
   Only instances in `among`, where given, are candidates."""
-  pairs = sorted(((shared, -u, -i, u, i)
+  return _assign([(shared, u, i)
                   for u, t in enumerate(unit_touch)
                   for i, shared in touches.shared(t).items()
-                  if shared >= 2 and (among is None or i in among)),
-                 reverse=True)
+                  if shared >= 2 and (among is None or i in among)])
+
+
+def _assign(shares: Iterable[tuple[int, int, int]]) -> tuple[int, dict]:
+  """`_match` from (shared values, unit, instance) triples with shared >= 2."""
+  pairs = sorted(((shared, -u, -i, u, i) for shared, u, i in shares), reverse=True)
   target: dict[int, int] = {}
   used, score = set(), 0
   for shared, _, _, u, i in pairs:
@@ -252,7 +289,7 @@ def _match(unit_touch: list[set[int]], touches: _Touches,
   return score, target
 
 
-def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
+def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _Touches,
                       target: int) -> dict[int, list[int]]:
   """Instance -> ops of a unit matched to `target`, split where the unit straddles.
 
@@ -267,7 +304,7 @@ def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
     return {target: list(ops)}
   owner: dict[int, int] = {}
   for i in ops:
-    hits = set(touches.shared(_touch(graph, [i])))
+    hits = set(touches.shared(facts.touch([i])))
     if len(hits) == 1:
       owner[i] = hits.pop()
   if len(set(owner.values())) <= 1:
@@ -316,6 +353,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   instances: list[list[int]] = []
   names: list[str] = []
   touches = _Touches()
+  facts = _OpFacts(graph)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     # Candidate phases: the cheapest cuts within one period.
     # Cut in the second period: the first one has nothing made before it.
@@ -334,17 +372,21 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
     for phase in phases:
       first = start + phase
       units = [unit(u, p) for u in range(first, stop - p + 1, p)]
-      unit_touch = [_touch(graph, u) for u in units]
-      score, target = _match(unit_touch, touches)
-      key = (score, _path_affinity(graph, units), -phase)
+      # With no instances yet nothing matches: the values are needed only once chosen.
+      unit_touch = [facts.touch(u) for u in units] if len(touches) else None
+      score, target = (0, {}) if unit_touch is None else _match(unit_touch, touches)
+      key = (score, _path_affinity(facts, units), -phase)
       if best is None or key > best[0]:
         best = (key, units, unit_touch, target)
     _, units, unit_touch, target = best
+    if unit_touch is None:
+      unit_touch = [facts.touch(u) for u in units]
     for u, ops in enumerate(units):
       if u in target:
-        for owner, part in _split_straddling(graph, ops, touches, target[u]).items():
+        for owner, part in _split_straddling(graph, facts, ops, touches,
+                                             target[u]).items():
           instances[owner].extend(part)
-          touches.add(owner, _touch(graph, part))
+          touches.add(owner, facts.touch(part))
       elif contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
@@ -354,7 +396,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   loops: list[int] = []
   for op in top:
     if loop_trip(graph, op) and op.index not in claimed:
-      t = _touch(graph, [op.index])
+      t = facts.touch([op.index])
       _, target = _match([t], touches, among=set(loops))
       if 0 in target:
         k = target[0]

@@ -163,65 +163,135 @@ def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
 
 
 class _OpFacts:
-  """What matching and alignment read of each op, found once per op.
+  """What matching and alignment read of the top-level ops, found once.
 
-  Every candidate phase cuts the same span into units again, so per unit and phase
-  these were found anew for every op; kept here for one `segment_by_structure` call.
+  Every candidate phase cuts a span into units anew, and these facts, found per unit
+  and phase, made folding a pass over the span per phase; here they are found once per
+  `segment_by_structure` call, as arrays in program order.
+
+  Attributes:
+    values: the non-scalar, non-literal values each top-level op reads or writes
+      (repeats kept), flattened in program order: op top[t]'s are
+      values[starts[t]:starts[t + 1]].
+    starts: where each op's values start in `values`, then the end.
+    ranked: the graph inputs' key paths, split at "/", in list order.
+    path_pos: positions in `top` of the ops that read graph inputs, ascending.
+    path_lo: per such op, the least rank in `ranked` of the paths it reads.
+    path_hi: per such op, the greatest.
   """
 
-  def __init__(self, graph: Graph):
-    self._graph = graph
-    self._values: dict[int, tuple[int, ...]] = {}
-    self._paths: dict[int, tuple[list[str], ...]] = {}
+  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int]):
+    self._top_pos = top_pos
+    keep = [bool(t.shape) for t in graph.types]
+    for v in graph.literals:
+      keep[v] = False
+    values: list[int] = []
+    starts = []
+    for op in top:
+      starts.append(len(values))
+      values += [v for v in op.inputs + op.outputs if keep[v]]
+    starts.append(len(values))
+    self._values, self._starts = values, starts
+    self.values = np.array(values, np.int64)
+    self.starts = np.array(starts, np.int64)
+    # Few ops read graph inputs: they are found from the inputs' readers.
+    self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})
+    rank = {path: r for r, path in enumerate(self.ranked)}
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    for inp in graph.inputs:
+      r = rank[tuple(inp.path.split("/"))]
+      for c in graph.consumers.get(inp.value, ()):
+        t = top_pos.get(c)
+        if t is not None:
+          lo[t] = min(lo.get(t, r), r)
+          hi[t] = max(hi.get(t, r), r)
+    self.path_pos = np.array(sorted(lo), np.int64)
+    self.path_lo = np.array([lo[t] for t in self.path_pos.tolist()], np.int64)
+    self.path_hi = np.array([hi[t] for t in self.path_pos.tolist()], np.int64)
 
   def touch(self, ops: Iterable[int]) -> set[int]:
     """Non-scalar, non-literal values an op set reads or writes."""
     out = set()
     for i in ops:
-      values = self._values.get(i)
-      if values is None:
-        op = self._graph.ops[i]
-        values = self._values[i] = tuple(v for v in op.inputs + op.outputs
-                                         if v not in self._graph.literals
-                                         and self._graph.types[v].shape)
-      out.update(values)
+      t = self._top_pos[i]
+      out.update(self._values[self._starts[t]:self._starts[t + 1]])
     return out
 
-  def input_paths(self, i: int) -> tuple[list[str], ...]:
-    """Key paths, split at "/", of the graph inputs op `i` reads, in operand order."""
-    paths = self._paths.get(i)
-    if paths is None:
-      input_path = self._graph.input_path
-      paths = self._paths[i] = tuple(input_path[v].split("/")
-                                     for v in self._graph.ops[i].inputs
-                                     if v in input_path)
-    return paths
+  def touch_range(self, begin: int, end: int) -> set[int]:
+    """`touch` of top[begin:end]."""
+    return set(self._values[self._starts[begin]:self._starts[end]])
 
 
-def _path_affinity(facts: _OpFacts, units: list[list[int]]) -> int:
-  """How well units line up with the argument pytree: summed common path prefixes.
+class _Span:
+  """A periodic span's ops as arrays, to score each candidate phase of it.
 
-  A unit cut at the true layer boundary reads `params/blocks/3/...` only; a rotated
-  one straddles two layers and shares just `params/blocks`.
+  A phase cuts the span's ops into units anew, and scoring it by the units' ops was a
+  pass over the span per phase. Here the span's values are paired once with the
+  earlier instances that touch them; a phase is then its unit boundaries, and its
+  score a few array operations.
   """
-  total = 0
-  for ops in units:
-    # The prefix all paths share is the one the least and the greatest share.
-    lo = hi = None
-    for i in ops:
-      for path in facts.input_paths(i):
-        if lo is None:
-          lo = hi = path
-        elif path < lo:
-          lo = path
-        elif path > hi:
-          hi = path
-    if lo is not None:
+
+  def __init__(self, begin: int, end: int, facts: _OpFacts, touches: _Touches):
+    """Gathers `top[begin:end]`, with `touches` as they stand (no phase changes them)."""
+    first, last = facts.starts[begin], facts.starts[end]
+    pos = np.repeat(np.arange(begin, end), np.diff(facts.starts[begin:end + 1]))
+    ids, values = np.unique(facts.values[first:last], return_inverse=True)
+    held = [touches.holders(v) for v in ids.tolist()]
+    counts = np.array([len(h) for h in held], np.int64)
+    holders = np.array([k for h in held for k in h], np.int64)
+    # One row per (value of an op, instance holding it).
+    per_value = counts[values]
+    rows = np.repeat(np.arange(len(values)), per_value)
+    offset = (np.cumsum(counts) - counts)[values[rows]]
+    within = np.arange(len(rows)) - np.repeat(np.cumsum(per_value) - per_value, per_value)
+    self._pos = pos[rows]
+    self._values = values[rows]
+    self._holders = holders[offset + within]
+    self._num_values = max(len(ids), 1)
+    self._num_holders = max(len(touches), 1)
+    lo, hi = np.searchsorted(facts.path_pos, [begin, end])
+    self._path_pos = facts.path_pos[lo:hi]
+    self._lo = facts.path_lo[lo:hi]
+    self._hi = facts.path_hi[lo:hi]
+    self._ranked = facts.ranked
+
+  @staticmethod
+  def _units(bounds: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unit of each position inside the units, which positions are inside)."""
+    inside = (pos >= bounds[0]) & (pos < bounds[-1])
+    return np.searchsorted(bounds, pos[inside], "right") - 1, inside
+
+  def match(self, bounds: np.ndarray) -> tuple[int, dict]:
+    """`_match` of the units `top[bounds[u]:bounds[u + 1]]` to the instances."""
+    unit, inside = self._units(bounds, self._pos)
+    # A value counts once per unit, however many of the unit's ops touch it.
+    keys = np.unique((unit * self._num_values + self._values[inside]) * self._num_holders
+                     + self._holders[inside])
+    pairs, shared = np.unique((keys // (self._num_values * self._num_holders))
+                              * self._num_holders + keys % self._num_holders,
+                              return_counts=True)
+    keep = shared >= 2
+    return _assign(zip(shared[keep].tolist(), (pairs[keep] // self._num_holders).tolist(),
+                       (pairs[keep] % self._num_holders).tolist()))
+
+  def path_affinity(self, bounds: np.ndarray) -> int:
+    """How well the units line up with the argument pytree: summed common path
+    prefixes. A unit cut at the true layer boundary reads `params/blocks/3/...` only;
+    a rotated one straddles two layers and shares just `params/blocks`."""
+    unit, inside = self._units(bounds, self._path_pos)
+    lo = np.full(len(bounds) - 1, len(self._ranked), np.int64)
+    hi = np.full(len(bounds) - 1, -1, np.int64)
+    np.minimum.at(lo, unit, self._lo[inside])
+    np.maximum.at(hi, unit, self._hi[inside])
+    total = 0
+    for a, b in zip(lo[hi >= 0].tolist(), hi[hi >= 0].tolist()):
+      first, last = self._ranked[a], self._ranked[b]
       n = 0
-      while n < min(len(lo), len(hi)) and lo[n] == hi[n]:
+      while n < min(len(first), len(last)) and first[n] == last[n]:
         n += 1
       total += n
-  return total
+    return total
 
 
 class _Touches:
@@ -331,6 +401,43 @@ def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _T
   return out
 
 
+def _best_phase(graph: Graph, top: Sequence[Op], top_pos: dict[int, int],
+                seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts,
+                touches: _Touches) -> tuple[list[int], dict[int, int]]:
+  """Where to cut a periodic span seq[start:stop] (period p) into units.
+
+  Returns:
+    The units' boundaries in `top` (unit u is top[bounds[u]:bounds[u + 1]]), and the
+    units matched to earlier instances (`_match`).
+  """
+  start, stop, p = span
+  # Candidate phases: the cheapest cuts within one period.
+  # Cut in the second period: the first one has nothing made before it.
+  # Cut sizes in program order, where each unit starts: at its first op, after the
+  # sums that end the one before.
+  at = seq_pos[start:stop]
+  top_cut = _cut_sizes(graph, top, int(at[0]), int(seq_pos[stop]), top_pos)
+  cut = top_cut[at[p:2 * p] - at[0]]
+  phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
+  # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
+  whole = cut[:(stop - start) % p + 1]
+  phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
+  phases = sorted(set(phases))
+  ops = _Span(int(at[0]), int(seq_pos[stop]), facts, touches)
+  best = None
+  for phase in phases:
+    first = start + phase
+    count = len(range(first, stop - p + 1, p))
+    bounds = seq_pos[first:first + count * p + 1:p]
+    # With no instances yet nothing matches.
+    score, target = ops.match(bounds) if len(touches) else (0, {})
+    key = (score, ops.path_affinity(bounds), -phase)
+    if best is None or key > best[0]:
+      best = (key, bounds, target)
+  _, bounds, target = best
+  return bounds.tolist(), target
+
+
 def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
 
@@ -344,43 +451,19 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
                     for op in seq],
                    dtype=np.int64)
-  top_pos = {op.index: j for j, op in enumerate(top)} | {None: len(top)}
-
-  def unit(j: int, p: int) -> list[int]:  # seq[j:j + p] and the sums after each op
-    end = seq[j + p].index if j + p < len(seq) else None
-    return [top[t].index for t in range(top_pos[seq[j].index], top_pos[end])]
+  top_pos = {op.index: j for j, op in enumerate(top)}
+  # Where each op of `seq` sits in `top`, then the end: unit seq[j:j + p] is
+  # top[seq_pos[j]:seq_pos[j + p]], the sums after each op included.
+  seq_pos = np.array([top_pos[op.index] for op in seq] + [len(top)], np.int64)
 
   instances: list[list[int]] = []
   names: list[str] = []
   touches = _Touches()
-  facts = _OpFacts(graph)
+  facts = _OpFacts(graph, top, top_pos)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
-    # Candidate phases: the cheapest cuts within one period.
-    # Cut in the second period: the first one has nothing made before it.
-    # Cut sizes in program order, where each unit starts: at its first op, after the
-    # sums that end the one before.
-    at = [top_pos[op.index] for op in seq[start:stop]]
-    top_cut = _cut_sizes(graph, top, at[0], top_pos[seq[stop].index if stop < len(seq)
-                                                   else None], top_pos)
-    cut = top_cut[np.array(at[p:2 * p]) - at[0]]
-    phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
-    # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
-    whole = cut[:(stop - start) % p + 1]
-    phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
-    phases = sorted(set(phases))
-    best = None
-    for phase in phases:
-      first = start + phase
-      units = [unit(u, p) for u in range(first, stop - p + 1, p)]
-      # With no instances yet nothing matches: the values are needed only once chosen.
-      unit_touch = [facts.touch(u) for u in units] if len(touches) else None
-      score, target = (0, {}) if unit_touch is None else _match(unit_touch, touches)
-      key = (score, _path_affinity(facts, units), -phase)
-      if best is None or key > best[0]:
-        best = (key, units, unit_touch, target)
-    _, units, unit_touch, target = best
-    if unit_touch is None:
-      unit_touch = [facts.touch(u) for u in units]
+    bounds, target = _best_phase(graph, top, top_pos, seq_pos, (start, stop, p), facts,
+                                 touches)
+    units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
     for u, ops in enumerate(units):
       if u in target:
         for owner, part in _split_straddling(graph, facts, ops, touches,
@@ -390,7 +473,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
       elif contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
-        touches.append(unit_touch[u])
+        touches.append(facts.touch_range(bounds[u], bounds[u + 1]))
   # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
   claimed = {i for inst in instances for i in inst}
   loops: list[int] = []

@@ -141,24 +141,25 @@ def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[in
   return sorted(chosen)
 
 
-def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
-               pos: dict[int, int]) -> np.ndarray:
+def _cut_sizes(facts: _OpFacts, start: int, stop: int) -> np.ndarray:
   """cut[j - start]: values made in top[start:j] and read in top[j:stop].
 
   A layer boundary is where few values cross (the residual stream): the place to cut
   a periodic span into units. Values from outside the span (saved activations read
   by a backward pass) cross every point alike, so they are left out.
   """
+  lo, hi = facts.starts[start], facts.starts[stop]
+  values, pos, read = facts.values[lo:hi], facts.positions[lo:hi], facts.read[lo:hi]
+  # The last read in the span of each value read there.
+  backwards_v, backwards_pos = values[read][::-1], pos[read][::-1]
+  read_v, first = np.unique(backwards_v, return_index=True)
+  last = np.full(facts.num_values, -1, np.int64)
+  last[read_v] = backwards_pos[first]
+  made_v, made_at = values[~read], pos[~read]
+  crossing = last[made_v] > made_at
   delta = np.zeros(stop - start + 2, np.int64)
-  for j in range(start, stop):
-    for v in top[j].outputs:
-      if not graph.types[v].shape:
-        continue
-      last = max((pos[c] for c in graph.consumers.get(v, ())
-                  if c in pos and pos[c] < stop), default=j)
-      if last > j:
-        delta[j + 1 - start] += 1
-        delta[last + 1 - start] -= 1
+  np.add.at(delta, made_at[crossing] + 1 - start, 1)
+  np.add.at(delta, last[made_v[crossing]] + 1 - start, -1)
   return np.cumsum(delta)[:stop - start]
 
 
@@ -170,10 +171,13 @@ class _OpFacts:
   `segment_by_structure` call, as arrays in program order.
 
   Attributes:
-    values: the non-scalar, non-literal values each top-level op reads or writes
-      (repeats kept), flattened in program order: op top[t]'s are
+    values: the non-scalar, non-literal values each top-level op reads, then those it
+      writes (repeats kept), flattened in program order: op top[t]'s are
       values[starts[t]:starts[t + 1]].
     starts: where each op's values start in `values`, then the end.
+    positions: per entry of `values`, the position in `top` of its op.
+    read: per entry of `values`, whether its op reads it (else writes it).
+    num_values: how many values the graph has.
     ranked: the graph inputs' key paths, split at "/", in list order.
     path_pos: positions in `top` of the ops that read graph inputs, ascending.
     path_lo: per such op, the least rank in `ranked` of the paths it reads.
@@ -186,14 +190,23 @@ class _OpFacts:
     for v in graph.literals:
       keep[v] = False
     values: list[int] = []
-    starts = []
+    starts, reads = [], []
     for op in top:
       starts.append(len(values))
-      values += [v for v in op.inputs + op.outputs if keep[v]]
+      values += [v for v in op.inputs if keep[v]]
+      reads.append(len(values))
+      values += [v for v in op.outputs if keep[v]]
     starts.append(len(values))
     self._values, self._starts = values, starts
     self.values = np.array(values, np.int64)
     self.starts = np.array(starts, np.int64)
+    self.positions = np.repeat(np.arange(len(top)), np.diff(self.starts))
+    # Reads run from each op's start to where its writes start.
+    marks = np.zeros(len(values) + 1, np.int64)
+    np.add.at(marks, self.starts[:-1], 1)
+    np.add.at(marks, np.array(reads, np.int64), -1)
+    self.read = np.cumsum(marks)[:-1] > 0
+    self.num_values = len(graph.types)
     # Few ops read graph inputs: they are found from the inputs' readers.
     self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})
     rank = {path: r for r, path in enumerate(self.ranked)}
@@ -401,8 +414,7 @@ def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _T
   return out
 
 
-def _best_phase(graph: Graph, top: Sequence[Op], top_pos: dict[int, int],
-                seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts,
+def _best_phase(seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts,
                 touches: _Touches) -> tuple[list[int], dict[int, int]]:
   """Where to cut a periodic span seq[start:stop] (period p) into units.
 
@@ -416,7 +428,7 @@ def _best_phase(graph: Graph, top: Sequence[Op], top_pos: dict[int, int],
   # Cut sizes in program order, where each unit starts: at its first op, after the
   # sums that end the one before.
   at = seq_pos[start:stop]
-  top_cut = _cut_sizes(graph, top, int(at[0]), int(seq_pos[stop]), top_pos)
+  top_cut = _cut_sizes(facts, int(at[0]), int(seq_pos[stop]))
   cut = top_cut[at[p:2 * p] - at[0]]
   phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
   # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
@@ -461,8 +473,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   touches = _Touches()
   facts = _OpFacts(graph, top, top_pos)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
-    bounds, target = _best_phase(graph, top, top_pos, seq_pos, (start, stop, p), facts,
-                                 touches)
+    bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)
     units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
     for u, ops in enumerate(units):
       if u in target:

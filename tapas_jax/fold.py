@@ -192,24 +192,34 @@ class _ScopeTree:
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
+    # Ops grouped by scope first (in order of each scope's first op), so that each
+    # scope's prefixes are walked once, not once per op.
+    by_scope: dict[tuple[str, ...], list[int]] = {}
+    untransposed_by_scope: dict[tuple[str, ...], list[int]] = {}
     for op in ops:
-      scope = _op_scope(graph, op, stack_scopes)
-      if loop_trip(graph, op):
+      if op.subregions and loop_trip(graph, op):
+        scope = _op_scope(graph, op, stack_scopes)
         self.loops.add(scope)
+      else:
+        scope = stack_scopes[op.name_stack]
+      by_scope.setdefault(scope, []).append(op.index)
       # Layer identity is decided on the ops that are not transposed (the forward, and
       # any op outside differentiation: `jx.is_primal` would drop a layer applied with
       # no gradient): backward ops of the first and last copies differ by where shared
       # cotangents get summed.
-      untransposed = not jx.is_transposed(op.name_stack)
+      if not jx.is_transposed(op.name_stack):
+        untransposed_by_scope.setdefault(scope, []).append(op.index)
+    for scope, members in by_scope.items():
       for d in range(len(scope) + 1):
         prefix = scope[:d]
         if d and not self.subtree[prefix]:
           self.children[scope[:d - 1]].append(scope[d - 1])
-        self.subtree[prefix].append(op.index)
-        if untransposed:
-          self.untransposed[prefix].append(op.index)
-
-
+        self.subtree[prefix].extend(members)
+        self.untransposed[prefix].extend(untransposed_by_scope.get(scope, ()))
+    # Op indices grow in program order.
+    for lists in (self.subtree, self.untransposed):
+      for members in lists.values():
+        members.sort()
 
 
 def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
@@ -271,8 +281,11 @@ def _offset_blind(graph: Graph) -> dict[int, str]:
   primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
   differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
+  drops = {}  # per primitive
   for op in graph.ops:
-    drop = ruleslib.facts(op.primitive).offset_params
+    drop = drops.get(op.primitive)
+    if drop is None:
+      drop = drops[op.primitive] = ruleslib.facts(op.primitive).offset_params
     if not drop:
       continue
     params = [(k, v) for k, v in op.params if k not in drop]
@@ -366,13 +379,14 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   with the same ops.
   """
   inside = set(ops)
+  sums = [i for i in ops if graph.ops[i].primitive == ACCUMULATE]
   changed = True
   while changed:
     changed = False
-    for i in ops:
-      op = graph.ops[i]
-      if i not in inside or op.primitive != ACCUMULATE:
+    for i in sums:
+      if i not in inside:
         continue
+      op = graph.ops[i]
       from_outside = not all(graph.producer.get(v) in inside for v in op.inputs)
       to_outside = not any(c in inside for v in op.outputs
                            for c in graph.consumers.get(v, ()))
@@ -553,13 +567,12 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   for k, scope in enumerate(scopes):
     for i in (layers.get(scope) or glue[scope]):
       label.setdefault(i, k)
-  value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)}) \
-      if method == "names" else {}
-  for i, k in label.items():
-    value_label.update((v, k) for v in graph.ops[i].outputs)
   if method == "names":
     # Under names, unnamed ops (optimizer updates, loss) join the layer whose values they
     # use. Structural runs already hold the backward and update units; the rest is glue.
+    value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)})
+    for i, k in label.items():
+      value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
 
   members: dict[int, list[int]] = collections.defaultdict(list)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -186,26 +187,23 @@ class _OpFacts:
 
   def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int]):
     self._top_pos = top_pos
-    keep = [bool(t.shape) for t in graph.types]
-    for v in graph.literals:
-      keep[v] = False
-    values: list[int] = []
-    starts, reads = [], []
-    for op in top:
-      starts.append(len(values))
-      values += [v for v in op.inputs if keep[v]]
-      reads.append(len(values))
-      values += [v for v in op.outputs if keep[v]]
-    starts.append(len(values))
-    self._values, self._starts = values, starts
-    self.values = np.array(values, np.int64)
-    self.starts = np.array(starts, np.int64)
-    self.positions = np.repeat(np.arange(len(top)), np.diff(self.starts))
-    # Reads run from each op's start to where its writes start.
-    marks = np.zeros(len(values) + 1, np.int64)
-    np.add.at(marks, self.starts[:-1], 1)
-    np.add.at(marks, np.array(reads, np.int64), -1)
-    self.read = np.cumsum(marks)[:-1] > 0
+    keep = np.array([bool(t.shape) for t in graph.types], bool)
+    keep[np.fromiter(graph.literals, np.int64, len(graph.literals))] = False
+    # Every op's inputs then outputs, flattened in program order (C loops: per-op
+    # Python here was a good part of folding).
+    inputs = [op.inputs for op in top]
+    outputs = [op.outputs for op in top]
+    flat = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
+    lengths = np.stack([np.fromiter(map(len, inputs), np.int64, len(top)),
+                        np.fromiter(map(len, outputs), np.int64, len(top))], 1)
+    kept = keep[flat]
+    self.values = flat[kept]
+    self.positions = np.repeat(np.arange(len(top)), lengths.sum(1))[kept]
+    self.read = np.repeat(np.tile([True, False], len(top)), lengths.ravel())[kept]
+    self.starts = np.concatenate([[0], np.cumsum(np.bincount(self.positions,
+                                                             minlength=len(top)))])
+    self._values, self._starts = self.values.tolist(), self.starts.tolist()
     self.num_values = len(graph.types)
     # Few ops read graph inputs: they are found from the inputs' readers.
     self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})

@@ -86,14 +86,21 @@ def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
   the span (its phase) is not decided here: any rotation of a unit repeats too.
   """
   found = []
+  n = len(codes)
+  same = np.zeros(n + 2, bool)  # reused: one buffer for every period
   for p in _candidate_periods(codes):
-    eq = np.concatenate([[False], codes[p:] == codes[:-p], [False]])
-    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
-    for start, end in zip(edges[0::2], edges[1::2]):
-      copies = (end - start) // p + 1
-      if copies >= 3 or (copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes)):
-        # Ops saved by folding: a long run of a short unit beats two copies of a long one.
-        found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
+    # Runs of codes[j] == codes[j + p], between False ends.
+    eq = same[:n - p + 2]
+    np.equal(codes[p:], codes[:-p], out=eq[1:-1])
+    eq[-1] = False
+    edges = np.flatnonzero(eq[1:] != eq[:-1])
+    starts, ends = edges[0::2], edges[1::2]
+    copies = (ends - starts) // p + 1
+    keep = (copies >= 3) | ((copies >= 2) & (copies * p >= _MIN_COVERAGE * n))
+    for start, end, c in zip(starts[keep].tolist(), ends[keep].tolist(),
+                             copies[keep].tolist()):
+      # Ops saved by folding: a long run of a short unit beats two copies of a long one.
+      found.append(((c - 1) * p, -p, start, end + p, p))
   return _best_disjoint(found + _trimmed(found))
 
 

@@ -192,23 +192,30 @@ class _ScopeTree:
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
-    # Ops grouped by scope first (in order of each scope's first op), so that each
-    # scope's prefixes are walked once, not once per op.
+    # Ops grouped by name stack, then by scope (in order of each one's first op), so
+    # that each stack is looked at once and each scope's prefixes walked once, not
+    # once per op. A loop takes the common scope of its body: a group of its own.
+    by_stack: dict[object, list[int]] = {}
+    loop_scopes: dict[object, tuple[str, ...]] = {}
+    for op in ops:
+      key = op.name_stack
+      if op.subregions and loop_trip(graph, op):
+        key = ("loop", op.index)
+        loop_scopes[key] = _op_scope(graph, op, stack_scopes)
+        self.loops.add(loop_scopes[key])
+      by_stack.setdefault(key, []).append(op.index)
     by_scope: dict[tuple[str, ...], list[int]] = {}
     untransposed_by_scope: dict[tuple[str, ...], list[int]] = {}
-    for op in ops:
-      if op.subregions and loop_trip(graph, op):
-        scope = _op_scope(graph, op, stack_scopes)
-        self.loops.add(scope)
-      else:
-        scope = stack_scopes[op.name_stack]
-      by_scope.setdefault(scope, []).append(op.index)
+    for key, members in by_stack.items():
+      stack = graph.ops[members[0]].name_stack
+      scope = loop_scopes[key] if key in loop_scopes else stack_scopes[stack]
+      by_scope.setdefault(scope, []).extend(members)
       # Layer identity is decided on the ops that are not transposed (the forward, and
       # any op outside differentiation: `jx.is_primal` would drop a layer applied with
       # no gradient): backward ops of the first and last copies differ by where shared
       # cotangents get summed.
-      if not jx.is_transposed(op.name_stack):
-        untransposed_by_scope.setdefault(scope, []).append(op.index)
+      if not jx.is_transposed(stack):
+        untransposed_by_scope.setdefault(scope, []).extend(members)
     for scope, members in by_scope.items():
       for d in range(len(scope) + 1):
         prefix = scope[:d]
@@ -396,7 +403,7 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   return [i for i in ops if i in inside], [i for i in ops if i not in inside]
 
 
-def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, list[int]],
+def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
                            edges: dict[int, list[int]], blind: dict[int, str]
                            ) -> dict[int, str]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
@@ -412,7 +419,6 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
     Each instance's fingerprint, of its members as they end up (the caller's grouping
     into unique layers: fingerprinting is most of this pass, so it is done once).
   """
-  order = {op.index: j for j, op in enumerate(top)}
   fingerprints = {k: _fingerprint(graph, members[k], blind) for k in edges}
   groups = collections.defaultdict(list)
   for k in edges:
@@ -433,7 +439,7 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
       continue
     back = {k: [i for i in edges[k]
                 if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
-    merged = {k: sorted(members[k] + back[k], key=order.__getitem__) for k in keys}
+    merged = {k: sorted(members[k] + back[k]) for k in keys}  # indices grow in program order
     fps = _same_fingerprint(graph, [merged[k] for k in keys], blind)
     if fps is not None:
       for k in keys:
@@ -458,8 +464,10 @@ def _same_fingerprint(graph: Graph, op_lists: Sequence[Sequence[int]],
   return first
 
 
-def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
-                                                                 tuple[int, ...]]:
+def _boundary_values(graph: Graph, ops: Sequence[int], returned: set[int]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(Values `ops` read from outside, values they make that are read outside or
+  `returned` by the program.)"""
   inside = set(ops)
   made = {v for i in ops for v in graph.ops[i].outputs}
   reads = []
@@ -469,7 +477,6 @@ def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
       if v not in made and v not in graph.literals and v not in seen:
         seen.add(v)
         reads.append(v)
-  returned = set(graph.outputs)
   writes = tuple(v for i in ops for v in graph.ops[i].outputs
                  if v in returned or any(c not in inside and graph.ops[c].region == 0
                                          for c in graph.consumers.get(v, ())))
@@ -587,16 +594,17 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   edges = {}
   for k in layer_keys:
     members[k], edges[k] = _split_edge_sums(graph, members[k])
-  fingerprints = _restore_balanced_sums(graph, top, members, edges, blind)
+  fingerprints = _restore_balanced_sums(graph, members, edges, blind)
   sums = [i for k in layer_keys for i in edges[k]]
 
   by_fp: dict[str, list[int]] = {}
   raw = []
+  returned = set(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
     fp = fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
-    inputs, outputs = _boundary_values(graph, ops)
+    inputs, outputs = _boundary_values(graph, ops, returned)
     trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 

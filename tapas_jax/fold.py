@@ -477,10 +477,17 @@ def _boundary_values(graph: Graph, ops: Sequence[int], returned: set[int]
       if v not in made and v not in graph.literals and v not in seen:
         seen.add(v)
         reads.append(v)
-  writes = tuple(v for i in ops for v in graph.ops[i].outputs
-                 if v in returned or any(c not in inside and graph.ops[c].region == 0
-                                         for c in graph.consumers.get(v, ())))
-  return tuple(reads), writes
+  writes = []
+  for i in ops:
+    for v in graph.ops[i].outputs:
+      if v in returned:
+        writes.append(v)
+        continue
+      for c in graph.consumers.get(v, ()):
+        if c not in inside and graph.ops[c].region == 0:
+          writes.append(v)
+          break
+  return tuple(reads), tuple(writes)
 
 
 def _layer_name(scope: tuple[str, ...], method: str) -> str:

@@ -485,7 +485,9 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
         for owner, part in _split_straddling(graph, facts, ops, touches,
                                              target[u]).items():
           instances[owner].extend(part)
-          touches.add(owner, facts.touch(part))
+          whole = len(part) == len(ops)  # the unit unsplit: its values are one slice
+          touches.add(owner, facts.touch_range(bounds[u], bounds[u + 1]) if whole
+                      else facts.touch(part))
       elif contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
@@ -494,7 +496,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   claimed = {i for inst in instances for i in inst}
   loops: list[int] = []
   for op in top:
-    if loop_trip(graph, op) and op.index not in claimed:
+    if op.subregions and loop_trip(graph, op) and op.index not in claimed:
       t = facts.touch([op.index])
       _, target = _match([t], touches, among=set(loops))
       if 0 in target:

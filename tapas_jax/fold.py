@@ -172,40 +172,69 @@ class Folded:
 scope_of = jx.scope_of
 
 
+class _Scopes(dict):
+  """Name stack -> `scope_of` it, parsed once per distinct stack.
+
+  The ops of one module share a stack; Keras gives each op its own, and the scope tree
+  and the layer names ask for every op's scope, so a parse per ask was most of folding.
+  """
+
+  def __missing__(self, name_stack: str) -> tuple[str, ...]:
+    scope = self[name_stack] = scope_of(name_stack)
+    return scope
+
+
 class _ScopeTree:
   """Top-level ops grouped by scope prefix."""
 
-  def __init__(self, graph: Graph, ops: Sequence[Op]):
+  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes):
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
     self.loops: set[tuple[str, ...]] = set()
+    # Ops grouped by name stack, then by scope (in order of each one's first op), so
+    # that each stack is looked at once and each scope's prefixes walked once, not
+    # once per op. A loop takes the common scope of its body: a group of its own.
+    by_stack: dict[object, list[int]] = {}
+    loop_scopes: dict[object, tuple[str, ...]] = {}
     for op in ops:
-      scope = _op_scope(graph, op)
-      if loop_trip(graph, op):
-        self.loops.add(scope)
+      key = op.name_stack
+      if op.subregions and loop_trip(graph, op):
+        key = ("loop", op.index)
+        loop_scopes[key] = _op_scope(graph, op, stack_scopes)
+        self.loops.add(loop_scopes[key])
+      by_stack.setdefault(key, []).append(op.index)
+    by_scope: dict[tuple[str, ...], list[int]] = {}
+    untransposed_by_scope: dict[tuple[str, ...], list[int]] = {}
+    for key, members in by_stack.items():
+      stack = graph.ops[members[0]].name_stack
+      scope = loop_scopes[key] if key in loop_scopes else stack_scopes[stack]
+      by_scope.setdefault(scope, []).extend(members)
       # Layer identity is decided on the ops that are not transposed (the forward, and
       # any op outside differentiation: `jx.is_primal` would drop a layer applied with
       # no gradient): backward ops of the first and last copies differ by where shared
       # cotangents get summed.
-      untransposed = not jx.is_transposed(op.name_stack)
+      if not jx.is_transposed(stack):
+        untransposed_by_scope.setdefault(scope, []).extend(members)
+    for scope, members in by_scope.items():
       for d in range(len(scope) + 1):
         prefix = scope[:d]
         if d and not self.subtree[prefix]:
           self.children[scope[:d - 1]].append(scope[d - 1])
-        self.subtree[prefix].append(op.index)
-        if untransposed:
-          self.untransposed[prefix].append(op.index)
+        self.subtree[prefix].extend(members)
+        self.untransposed[prefix].extend(untransposed_by_scope.get(scope, ()))
+    # Op indices grow in program order.
+    for lists in (self.subtree, self.untransposed):
+      for members in lists.values():
+        members.sort()
 
 
-
-
-def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
+def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
   """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
-  scope = scope_of(op.name_stack)
+  scope = stack_scopes[op.name_stack]
   if not loop_trip(graph, op):
     return scope
-  body = [scope_of(o.name_stack)[len(scope):] for o in graph.ops
+  body = [stack_scopes[o.name_stack][len(scope):] for o in graph.ops
           if o.region in op.subregions]
   common = body[0] if body else ()
   for s in body[1:]:
@@ -216,9 +245,10 @@ def _op_scope(graph: Graph, op: Op) -> tuple[str, ...]:
   return scope + common
 
 
-def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
+def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str],
+                      stack_scopes: _Scopes):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
-  tree = _ScopeTree(graph, top)
+  tree = _ScopeTree(graph, top, stack_scopes)
   layers: dict[tuple[str, ...], list[int]] = {}
   glue: dict[tuple[str, ...], list[int]] = {}
 
@@ -258,8 +288,11 @@ def _offset_blind(graph: Graph) -> dict[int, str]:
   primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
   differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
+  drops = {}  # per primitive
   for op in graph.ops:
-    drop = ruleslib.facts(op.primitive).offset_params
+    drop = drops.get(op.primitive)
+    if drop is None:
+      drop = drops[op.primitive] = ruleslib.facts(op.primitive).offset_params
     if not drop:
       continue
     params = [(k, v) for k, v in op.params if k not in drop]
@@ -353,13 +386,14 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   with the same ops.
   """
   inside = set(ops)
+  sums = [i for i in ops if graph.ops[i].primitive == ACCUMULATE]
   changed = True
   while changed:
     changed = False
-    for i in ops:
-      op = graph.ops[i]
-      if i not in inside or op.primitive != ACCUMULATE:
+    for i in sums:
+      if i not in inside:
         continue
+      op = graph.ops[i]
       from_outside = not all(graph.producer.get(v) in inside for v in op.inputs)
       to_outside = not any(c in inside for v in op.outputs
                            for c in graph.consumers.get(v, ()))
@@ -369,8 +403,9 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   return [i for i in ops if i in inside], [i for i in ops if i not in inside]
 
 
-def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, list[int]],
-                           edges: dict[int, list[int]], blind: dict[int, str]) -> None:
+def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
+                           edges: dict[int, list[int]], blind: dict[int, str]
+                           ) -> dict[int, str]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -379,11 +414,15 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
   the blocks) lack in one copy. Sums whose signature every copy of a unique layer holds
   equally often, and that read a value the copy makes, go back in; kept only where the
   copies still fingerprint alike. Updates `members` and `edges` in place.
+
+  Returns:
+    Each instance's fingerprint, of its members as they end up (the caller's grouping
+    into unique layers: fingerprinting is most of this pass, so it is done once).
   """
-  order = {op.index: j for j, op in enumerate(top)}
+  fingerprints = {k: _fingerprint(graph, members[k], blind) for k in edges}
   groups = collections.defaultdict(list)
   for k in edges:
-    groups[subgraph_fingerprint([graph.ops[i] for i in members[k]], signature=blind)].append(k)
+    groups[fingerprints[k]].append(k)
 
   made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
 
@@ -400,18 +439,35 @@ def _restore_balanced_sums(graph: Graph, top: Sequence[Op], members: dict[int, l
       continue
     back = {k: [i for i in edges[k]
                 if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
-    merged = {k: sorted(members[k] + back[k], key=order.__getitem__) for k in keys}
-    fps = {subgraph_fingerprint([graph.ops[i] for i in merged[k]], signature=blind)
-           for k in keys}
-    if len(fps) == 1:
+    merged = {k: sorted(members[k] + back[k]) for k in keys}  # indices grow in program order
+    fps = _same_fingerprint(graph, [merged[k] for k in keys], blind)
+    if fps is not None:
       for k in keys:
         members[k] = merged[k]
+        fingerprints[k] = fps
         returned = set(back[k])
         edges[k] = [i for i in edges[k] if i not in returned]
+  return fingerprints
 
 
-def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
-                                                                 tuple[int, ...]]:
+def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
+  return subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
+
+
+def _same_fingerprint(graph: Graph, op_lists: Sequence[Sequence[int]],
+                      blind: dict[int, str]) -> str | None:
+  """The fingerprint all of `op_lists` share, or None (found at the first that differs)."""
+  first = _fingerprint(graph, op_lists[0], blind)
+  for ops in op_lists[1:]:
+    if _fingerprint(graph, ops, blind) != first:
+      return None
+  return first
+
+
+def _boundary_values(graph: Graph, ops: Sequence[int], returned: set[int]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(Values `ops` read from outside, values they make that are read outside or
+  `returned` by the program.)"""
   inside = set(ops)
   made = {v for i in ops for v in graph.ops[i].outputs}
   reads = []
@@ -421,11 +477,17 @@ def _boundary_values(graph: Graph, ops: Sequence[int]) -> tuple[tuple[int, ...],
       if v not in made and v not in graph.literals and v not in seen:
         seen.add(v)
         reads.append(v)
-  returned = set(graph.outputs)
-  writes = tuple(v for i in ops for v in graph.ops[i].outputs
-                 if v in returned or any(c not in inside and graph.ops[c].region == 0
-                                         for c in graph.consumers.get(v, ())))
-  return tuple(reads), writes
+  writes = []
+  for i in ops:
+    for v in graph.ops[i].outputs:
+      if v in returned:
+        writes.append(v)
+        continue
+      for c in graph.consumers.get(v, ()):
+        if c not in inside and graph.ops[c].region == 0:
+          writes.append(v)
+          break
+  return tuple(reads), tuple(writes)
 
 
 def _layer_name(scope: tuple[str, ...], method: str) -> str:
@@ -436,22 +498,29 @@ def _layer_name(scope: tuple[str, ...], method: str) -> str:
 
 
 def _distinct_names(graph: Graph, groups: list[list[tuple[str, ...]]],
-                    base: list[str]) -> list[str]:
+                    base: list[str], stack_scopes: _Scopes) -> list[str]:
   """Where two unique layers share a name, tell them apart by their child scopes."""
   counts = collections.Counter(base)
   names = list(base)
-  for k, scopes in enumerate(groups):
+  if all(counts[b] < 2 for b in base):
+    return names
+  # Scopes of the top level, each once: Keras names every op, so a scan per op and
+  # per group would be quadratic.
+  top_scopes = {stack_scopes[op.name_stack] for op in graph.region_ops(0)}
+  kids_of: dict[tuple[str, ...], set[str]] = {}
+
+  def kids(scope):
+    if scope not in kids_of:
+      kids_of[scope] = {s[len(scope)] for s in top_scopes
+                        if len(s) > len(scope) and s[:len(scope)] == scope}
+    return kids_of[scope]
+
+  for k, group in enumerate(groups):
     if counts[base[k]] < 2:
       continue
-    scope = scopes[0]
-    kids = sorted({s[len(scope)] for op in graph.ops if op.region == 0
-                   for s in [scope_of(op.name_stack)]
-                   if len(s) > len(scope) and s[:len(scope)] == scope})
-    others = set().union(*[
-        {s[len(o[0])] for op in graph.ops if op.region == 0
-         for s in [scope_of(op.name_stack)] if len(s) > len(o[0]) and s[:len(o[0])] == o[0]}
-        for j, o in enumerate(groups) if j != k and base[j] == base[k]] or [set()])
-    own = [c for c in kids if c not in others]
+    others = set().union(*[kids(o[0]) for j, o in enumerate(groups)
+                           if j != k and base[j] == base[k]] or [set()])
+    own = [c for c in sorted(kids(group[0])) if c not in others]
     names[k] = f"{base[k]}[{','.join(own) or k}]"
   return names
 
@@ -480,17 +549,18 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   start = time.perf_counter()
   top = graph.region_ops(0)
   blind = _offset_blind(graph)
-  found = _segment_by_names(graph, top, blind) if use_names else None
+  stack_scopes = _Scopes()
+  found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
   if found is None:
     return _finish(graph, top, segment_by_structure(graph, top, blind), "structure", start,
-                   blind)
-  by_names = _finish(graph, top, found, "names", start, blind)
+                   blind, stack_scopes)
+  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes)
   if _in_layers(by_names) >= _NAMES_ENOUGH:
     return by_names
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
   by_structure = _finish(graph, top, segment_by_structure(graph, top, blind), "structure",
-                         start, blind)
+                         start, blind, stack_scopes)
   if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
     return by_structure
   return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
@@ -501,7 +571,7 @@ def _in_layers(folded: Folded) -> float:
 
 
 def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
-            blind: dict[int, str]) -> Folded:
+            blind: dict[int, str], stack_scopes: _Scopes) -> Folded:
   """Instances, unique layers and glue from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
@@ -511,13 +581,12 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   for k, scope in enumerate(scopes):
     for i in (layers.get(scope) or glue[scope]):
       label.setdefault(i, k)
-  value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)}) \
-      if method == "names" else {}
-  for i, k in label.items():
-    value_label.update((v, k) for v in graph.ops[i].outputs)
   if method == "names":
     # Under names, unnamed ops (optimizer updates, loss) join the layer whose values they
     # use. Structural runs already hold the backward and update units; the rest is glue.
+    value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)})
+    for i, k in label.items():
+      value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
 
   members: dict[int, list[int]] = collections.defaultdict(list)
@@ -532,16 +601,17 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   edges = {}
   for k in layer_keys:
     members[k], edges[k] = _split_edge_sums(graph, members[k])
-  _restore_balanced_sums(graph, top, members, edges, blind)
+  fingerprints = _restore_balanced_sums(graph, members, edges, blind)
   sums = [i for k in layer_keys for i in edges[k]]
 
   by_fp: dict[str, list[int]] = {}
   raw = []
+  returned = set(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
+    fp = fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
-    inputs, outputs = _boundary_values(graph, ops)
+    inputs, outputs = _boundary_values(graph, ops, returned)
     trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 
@@ -551,7 +621,8 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
                     inputs=inputs, outputs=outputs, trip_count=trip)
       for pos, (scope, ops, inputs, outputs, trip, fp) in enumerate(raw))
   groups = [[raw[p][0] for p in positions] for positions in by_fp.values()]
-  names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups])
+  names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups],
+                          stack_scopes)
   unique = tuple(
       UniqueLayer(index=n, name=names[n], fingerprint=fp, instances=tuple(positions),
                   num_ops=len(raw[positions[0]][1]),

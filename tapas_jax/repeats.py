@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -85,14 +86,21 @@ def _tandem_repeats(codes: np.ndarray) -> list[tuple[int, int, int]]:
   the span (its phase) is not decided here: any rotation of a unit repeats too.
   """
   found = []
+  n = len(codes)
+  same = np.zeros(n + 2, bool)  # reused: one buffer for every period
   for p in _candidate_periods(codes):
-    eq = np.concatenate([[False], codes[p:] == codes[:-p], [False]])
-    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
-    for start, end in zip(edges[0::2], edges[1::2]):
-      copies = (end - start) // p + 1
-      if copies >= 3 or (copies >= 2 and copies * p >= _MIN_COVERAGE * len(codes)):
-        # Ops saved by folding: a long run of a short unit beats two copies of a long one.
-        found.append(((copies - 1) * p, -p, int(start), int(end) + p, p))
+    # Runs of codes[j] == codes[j + p], between False ends.
+    eq = same[:n - p + 2]
+    np.equal(codes[p:], codes[:-p], out=eq[1:-1])
+    eq[-1] = False
+    edges = np.flatnonzero(eq[1:] != eq[:-1])
+    starts, ends = edges[0::2], edges[1::2]
+    copies = (ends - starts) // p + 1
+    keep = (copies >= 3) | ((copies >= 2) & (copies * p >= _MIN_COVERAGE * n))
+    for start, end, c in zip(starts[keep].tolist(), ends[keep].tolist(),
+                             copies[keep].tolist()):
+      # Ops saved by folding: a long run of a short unit beats two copies of a long one.
+      found.append(((c - 1) * p, -p, start, end + p, p))
   return _best_disjoint(found + _trimmed(found))
 
 
@@ -141,58 +149,167 @@ def _best_disjoint(found: list[tuple[int, int, int, int, int]]) -> list[tuple[in
   return sorted(chosen)
 
 
-def _cut_sizes(graph: Graph, top: Sequence[Op], start: int, stop: int,
-               pos: dict[int, int]) -> np.ndarray:
+def _cut_sizes(facts: _OpFacts, start: int, stop: int) -> np.ndarray:
   """cut[j - start]: values made in top[start:j] and read in top[j:stop].
 
   A layer boundary is where few values cross (the residual stream): the place to cut
   a periodic span into units. Values from outside the span (saved activations read
   by a backward pass) cross every point alike, so they are left out.
   """
+  lo, hi = facts.starts[start], facts.starts[stop]
+  values, pos, read = facts.values[lo:hi], facts.positions[lo:hi], facts.read[lo:hi]
+  # The last read in the span of each value read there.
+  backwards_v, backwards_pos = values[read][::-1], pos[read][::-1]
+  read_v, first = np.unique(backwards_v, return_index=True)
+  last = np.full(facts.num_values, -1, np.int64)
+  last[read_v] = backwards_pos[first]
+  made_v, made_at = values[~read], pos[~read]
+  crossing = last[made_v] > made_at
   delta = np.zeros(stop - start + 2, np.int64)
-  for j in range(start, stop):
-    for v in top[j].outputs:
-      if not graph.types[v].shape:
-        continue
-      last = max((pos[c] for c in graph.consumers.get(v, ())
-                  if c in pos and pos[c] < stop), default=j)
-      if last > j:
-        delta[j + 1 - start] += 1
-        delta[last + 1 - start] -= 1
+  np.add.at(delta, made_at[crossing] + 1 - start, 1)
+  np.add.at(delta, last[made_v[crossing]] + 1 - start, -1)
   return np.cumsum(delta)[:stop - start]
 
 
-def _touch(graph: Graph, ops: Iterable[int]) -> set[int]:
-  """Non-scalar, non-literal values an op set reads or writes."""
-  out = set()
-  for i in ops:
-    op = graph.ops[i]
-    for v in op.inputs + op.outputs:
-      if v not in graph.literals and graph.types[v].shape:
-        out.add(v)
-  return out
+class _OpFacts:
+  """What matching and alignment read of the top-level ops, found once.
 
+  Every candidate phase cuts a span into units anew, and these facts, found per unit
+  and phase, made folding a pass over the span per phase; here they are found once per
+  `segment_by_structure` call, as arrays in program order.
 
-def _path_affinity(graph: Graph, units: list[list[int]]) -> int:
-  """How well units line up with the argument pytree: summed common path prefixes.
-
-  A unit cut at the true layer boundary reads `params/blocks/3/...` only; a rotated
-  one straddles two layers and shares just `params/blocks`.
+  Attributes:
+    values: the non-scalar, non-literal values each top-level op reads, then those it
+      writes (repeats kept), flattened in program order: op top[t]'s are
+      values[starts[t]:starts[t + 1]].
+    starts: where each op's values start in `values`, then the end.
+    positions: per entry of `values`, the position in `top` of its op.
+    read: per entry of `values`, whether its op reads it (else writes it).
+    num_values: how many values the graph has.
+    ranked: the graph inputs' key paths, split at "/", in list order.
+    path_pos: positions in `top` of the ops that read graph inputs, ascending.
+    path_lo: per such op, the least rank in `ranked` of the paths it reads.
+    path_hi: per such op, the greatest.
   """
-  total = 0
-  for ops in units:
-    paths = [graph.input_path[v].split("/") for i in ops for v in graph.ops[i].inputs
-             if v in graph.input_path]
-    if not paths:
-      continue
-    common = paths[0]
-    for path in paths[1:]:
+
+  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int]):
+    self._top_pos = top_pos
+    keep = np.array([bool(t.shape) for t in graph.types], bool)
+    keep[np.fromiter(graph.literals, np.int64, len(graph.literals))] = False
+    # Every op's inputs then outputs, flattened in program order (C loops: per-op
+    # Python here was a good part of folding).
+    inputs = [op.inputs for op in top]
+    outputs = [op.outputs for op in top]
+    flat = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
+    lengths = np.stack([np.fromiter(map(len, inputs), np.int64, len(top)),
+                        np.fromiter(map(len, outputs), np.int64, len(top))], 1)
+    kept = keep[flat]
+    self.values = flat[kept]
+    self.positions = np.repeat(np.arange(len(top)), lengths.sum(1))[kept]
+    self.read = np.repeat(np.tile([True, False], len(top)), lengths.ravel())[kept]
+    self.starts = np.concatenate([[0], np.cumsum(np.bincount(self.positions,
+                                                             minlength=len(top)))])
+    self._values, self._starts = self.values.tolist(), self.starts.tolist()
+    self.num_values = len(graph.types)
+    # Few ops read graph inputs: they are found from the inputs' readers.
+    self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})
+    rank = {path: r for r, path in enumerate(self.ranked)}
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    for inp in graph.inputs:
+      r = rank[tuple(inp.path.split("/"))]
+      for c in graph.consumers.get(inp.value, ()):
+        t = top_pos.get(c)
+        if t is not None:
+          lo[t] = min(lo.get(t, r), r)
+          hi[t] = max(hi.get(t, r), r)
+    self.path_pos = np.array(sorted(lo), np.int64)
+    self.path_lo = np.array([lo[t] for t in self.path_pos.tolist()], np.int64)
+    self.path_hi = np.array([hi[t] for t in self.path_pos.tolist()], np.int64)
+
+  def touch(self, ops: Iterable[int]) -> set[int]:
+    """Non-scalar, non-literal values an op set reads or writes."""
+    out = set()
+    for i in ops:
+      t = self._top_pos[i]
+      out.update(self._values[self._starts[t]:self._starts[t + 1]])
+    return out
+
+  def touch_range(self, begin: int, end: int) -> set[int]:
+    """`touch` of top[begin:end]."""
+    return set(self._values[self._starts[begin]:self._starts[end]])
+
+
+class _Span:
+  """A periodic span's ops as arrays, to score each candidate phase of it.
+
+  A phase cuts the span's ops into units anew, and scoring it by the units' ops was a
+  pass over the span per phase. Here the span's values are paired once with the
+  earlier instances that touch them; a phase is then its unit boundaries, and its
+  score a few array operations.
+  """
+
+  def __init__(self, begin: int, end: int, facts: _OpFacts, touches: _Touches):
+    """Gathers `top[begin:end]`, with `touches` as they stand (no phase changes them)."""
+    first, last = facts.starts[begin], facts.starts[end]
+    pos = np.repeat(np.arange(begin, end), np.diff(facts.starts[begin:end + 1]))
+    ids, values = np.unique(facts.values[first:last], return_inverse=True)
+    held = [touches.holders(v) for v in ids.tolist()]
+    counts = np.array([len(h) for h in held], np.int64)
+    holders = np.array([k for h in held for k in h], np.int64)
+    # One row per (value of an op, instance holding it).
+    per_value = counts[values]
+    rows = np.repeat(np.arange(len(values)), per_value)
+    offset = (np.cumsum(counts) - counts)[values[rows]]
+    within = np.arange(len(rows)) - np.repeat(np.cumsum(per_value) - per_value, per_value)
+    self._pos = pos[rows]
+    self._values = values[rows]
+    self._holders = holders[offset + within]
+    self._num_values = max(len(ids), 1)
+    self._num_holders = max(len(touches), 1)
+    lo, hi = np.searchsorted(facts.path_pos, [begin, end])
+    self._path_pos = facts.path_pos[lo:hi]
+    self._lo = facts.path_lo[lo:hi]
+    self._hi = facts.path_hi[lo:hi]
+    self._ranked = facts.ranked
+
+  @staticmethod
+  def _units(bounds: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unit of each position inside the units, which positions are inside)."""
+    inside = (pos >= bounds[0]) & (pos < bounds[-1])
+    return np.searchsorted(bounds, pos[inside], "right") - 1, inside
+
+  def match(self, bounds: np.ndarray) -> tuple[int, dict]:
+    """`_match` of the units `top[bounds[u]:bounds[u + 1]]` to the instances."""
+    unit, inside = self._units(bounds, self._pos)
+    # A value counts once per unit, however many of the unit's ops touch it.
+    keys = np.unique((unit * self._num_values + self._values[inside]) * self._num_holders
+                     + self._holders[inside])
+    pairs, shared = np.unique((keys // (self._num_values * self._num_holders))
+                              * self._num_holders + keys % self._num_holders,
+                              return_counts=True)
+    keep = shared >= 2
+    return _assign(zip(shared[keep].tolist(), (pairs[keep] // self._num_holders).tolist(),
+                       (pairs[keep] % self._num_holders).tolist()))
+
+  def path_affinity(self, bounds: np.ndarray) -> int:
+    """How well the units line up with the argument pytree: summed common path
+    prefixes. A unit cut at the true layer boundary reads `params/blocks/3/...` only;
+    a rotated one straddles two layers and shares just `params/blocks`."""
+    unit, inside = self._units(bounds, self._path_pos)
+    lo = np.full(len(bounds) - 1, len(self._ranked), np.int64)
+    hi = np.full(len(bounds) - 1, -1, np.int64)
+    np.minimum.at(lo, unit, self._lo[inside])
+    np.maximum.at(hi, unit, self._hi[inside])
+    total = 0
+    for a, b in zip(lo[hi >= 0].tolist(), hi[hi >= 0].tolist()):
+      first, last = self._ranked[a], self._ranked[b]
       n = 0
-      while n < min(len(common), len(path)) and common[n] == path[n]:
+      while n < min(len(first), len(last)) and first[n] == last[n]:
         n += 1
-      common = common[:n]
-    total += len(common)
-  return total
+      total += n
+    return total
 
 
 class _Touches:
@@ -217,6 +334,10 @@ class _Touches:
     for v in new:
       self._by_value[v].append(k)
 
+  def holders(self, v: int) -> Sequence[int]:
+    """The instances that touch value `v`."""
+    return self._by_value.get(v, ())
+
   def shared(self, values: Iterable[int]) -> dict[int, int]:
     """Instance -> how many of `values` it touches (instances touching none left out)."""
     counts: dict[int, int] = {}
@@ -231,11 +352,15 @@ def _match(unit_touch: list[set[int]], touches: _Touches,
   """Greedy one-to-one unit -> instance matching by shared values; (score, mapping).
 
   Only instances in `among`, where given, are candidates."""
-  pairs = sorted(((shared, -u, -i, u, i)
+  return _assign([(shared, u, i)
                   for u, t in enumerate(unit_touch)
                   for i, shared in touches.shared(t).items()
-                  if shared >= 2 and (among is None or i in among)),
-                 reverse=True)
+                  if shared >= 2 and (among is None or i in among)])
+
+
+def _assign(shares: Iterable[tuple[int, int, int]]) -> tuple[int, dict]:
+  """`_match` from (shared values, unit, instance) triples with shared >= 2."""
+  pairs = sorted(((shared, -u, -i, u, i) for shared, u, i in shares), reverse=True)
   target: dict[int, int] = {}
   used, score = set(), 0
   for shared, _, _, u, i in pairs:
@@ -252,7 +377,7 @@ def _match(unit_touch: list[set[int]], touches: _Touches,
   return score, target
 
 
-def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
+def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _Touches,
                       target: int) -> dict[int, list[int]]:
   """Instance -> ops of a unit matched to `target`, split where the unit straddles.
 
@@ -267,7 +392,7 @@ def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
     return {target: list(ops)}
   owner: dict[int, int] = {}
   for i in ops:
-    hits = set(touches.shared(_touch(graph, [i])))
+    hits = set(touches.shared(facts.touch([i])))
     if len(hits) == 1:
       owner[i] = hits.pop()
   if len(set(owner.values())) <= 1:
@@ -294,6 +419,42 @@ def _split_straddling(graph: Graph, ops: list[int], touches: _Touches,
   return out
 
 
+def _best_phase(seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts,
+                touches: _Touches) -> tuple[list[int], dict[int, int]]:
+  """Where to cut a periodic span seq[start:stop] (period p) into units.
+
+  Returns:
+    The units' boundaries in `top` (unit u is top[bounds[u]:bounds[u + 1]]), and the
+    units matched to earlier instances (`_match`).
+  """
+  start, stop, p = span
+  # Candidate phases: the cheapest cuts within one period.
+  # Cut in the second period: the first one has nothing made before it.
+  # Cut sizes in program order, where each unit starts: at its first op, after the
+  # sums that end the one before.
+  at = seq_pos[start:stop]
+  top_cut = _cut_sizes(facts, int(at[0]), int(seq_pos[stop]))
+  cut = top_cut[at[p:2 * p] - at[0]]
+  phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
+  # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
+  whole = cut[:(stop - start) % p + 1]
+  phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
+  phases = sorted(set(phases))
+  ops = _Span(int(at[0]), int(seq_pos[stop]), facts, touches)
+  best = None
+  for phase in phases:
+    first = start + phase
+    count = len(range(first, stop - p + 1, p))
+    bounds = seq_pos[first:first + count * p + 1:p]
+    # With no instances yet nothing matches.
+    score, target = ops.match(bounds) if len(touches) else (0, {})
+    key = (score, ops.path_affinity(bounds), -phase)
+    if best is None or key > best[0]:
+      best = (key, bounds, target)
+  _, bounds, target = best
+  return bounds.tolist(), target
+
+
 def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
 
@@ -307,54 +468,36 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
   codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
                     for op in seq],
                    dtype=np.int64)
-  top_pos = {op.index: j for j, op in enumerate(top)} | {None: len(top)}
-
-  def unit(j: int, p: int) -> list[int]:  # seq[j:j + p] and the sums after each op
-    end = seq[j + p].index if j + p < len(seq) else None
-    return [top[t].index for t in range(top_pos[seq[j].index], top_pos[end])]
+  top_pos = {op.index: j for j, op in enumerate(top)}
+  # Where each op of `seq` sits in `top`, then the end: unit seq[j:j + p] is
+  # top[seq_pos[j]:seq_pos[j + p]], the sums after each op included.
+  seq_pos = np.array([top_pos[op.index] for op in seq] + [len(top)], np.int64)
 
   instances: list[list[int]] = []
   names: list[str] = []
   touches = _Touches()
+  facts = _OpFacts(graph, top, top_pos)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
-    # Candidate phases: the cheapest cuts within one period.
-    # Cut in the second period: the first one has nothing made before it.
-    # Cut sizes in program order, where each unit starts: at its first op, after the
-    # sums that end the one before.
-    at = [top_pos[op.index] for op in seq[start:stop]]
-    top_cut = _cut_sizes(graph, top, at[0], top_pos[seq[stop].index if stop < len(seq)
-                                                   else None], top_pos)
-    cut = top_cut[np.array(at[p:2 * p]) - at[0]]
-    phases = [int(x) for x in np.flatnonzero(cut == cut.min())][:_MAX_PHASES]
-    # Also the cheapest cuts that keep every copy whole: a later phase drops a unit.
-    whole = cut[:(stop - start) % p + 1]
-    phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
-    phases = sorted(set(phases))
-    best = None
-    for phase in phases:
-      first = start + phase
-      units = [unit(u, p) for u in range(first, stop - p + 1, p)]
-      unit_touch = [_touch(graph, u) for u in units]
-      score, target = _match(unit_touch, touches)
-      key = (score, _path_affinity(graph, units), -phase)
-      if best is None or key > best[0]:
-        best = (key, units, unit_touch, target)
-    _, units, unit_touch, target = best
+    bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)
+    units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
     for u, ops in enumerate(units):
       if u in target:
-        for owner, part in _split_straddling(graph, ops, touches, target[u]).items():
+        for owner, part in _split_straddling(graph, facts, ops, touches,
+                                             target[u]).items():
           instances[owner].extend(part)
-          touches.add(owner, _touch(graph, part))
+          whole = len(part) == len(ops)  # the unit unsplit: its values are one slice
+          touches.add(owner, facts.touch_range(bounds[u], bounds[u + 1]) if whole
+                      else facts.touch(part))
       elif contracts(graph, ops):  # a new layer must contract something
         instances.append(list(ops))
         names.append(f"repeat{k}[{u}]")
-        touches.append(unit_touch[u])
+        touches.append(facts.touch_range(bounds[u], bounds[u + 1]))
   # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
   claimed = {i for inst in instances for i in inst}
   loops: list[int] = []
   for op in top:
-    if loop_trip(graph, op) and op.index not in claimed:
-      t = _touch(graph, [op.index])
+    if op.subregions and loop_trip(graph, op) and op.index not in claimed:
+      t = facts.touch([op.index])
       _, target = _match([t], touches, among=set(loops))
       if 0 in target:
         k = target[0]

@@ -45,6 +45,7 @@ from typing import Callable, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
+from tapas_jax.solver import sequence
 from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan_bodies
 from tapas_jax.trace import Graph, Op
 
@@ -353,13 +354,15 @@ class _Program:
   free: frozenset[int]  # `free_values`
   producer: Mapping[int, int]  # value -> the op making it
   contracts: Mapping[int, bool]  # op index -> `_contracts`
+  dot_side: Mapping[int, bool]  # op index -> `sequence.dot_side`
   cut_use: frozenset[int]  # inputs the update and the compute both read (parameters)
   cut_update: frozenset[int]  # values the compute makes, the update reads (gradients)
   apart: tuple[tuple[int, int, int, bool], ...]  # `_scan_cuts`
 
 
-def _program(graph: Graph, view: View) -> _Program:
-  """The ops of the view, their rules, the update, the free values and the cuts."""
+def _program(graph: Graph, view: View, reassociates: bool = False) -> _Program:
+  """The ops of the view, their rules, the update, the free values and the cuts.
+  `reassociates`: the profile's `reassociates_all_reduces` (`sequence.dot_side`)."""
   canon = view.canon
   cv = lambda v: canon.get(v, v)  # noqa: E731
   top = tuple(graph.ops[i] for i in view.ops if i not in view.loops)
@@ -383,9 +386,11 @@ def _program(graph: Graph, view: View) -> _Program:
   cut_use = frozenset(v for v, r in readers.items() if r == {True, False} and v not in producer)
   cut_update = frozenset(v for v, r in readers.items() if True in r and v in producer
                          and producer[v] not in update)
+  contracts = {op.index: _contracts(graph, op, rules[op.index]) for op in top}
   return _Program(graph=graph, view=view, top=top, rules=rules, cv=cv, update=update,
                   free=free, producer=producer, cut_use=cut_use, cut_update=cut_update,
-                  contracts={op.index: _contracts(graph, op, rules[op.index]) for op in top},
+                  contracts=contracts,
+                  dot_side=sequence.dot_side(graph, top, contracts, producer, cv, reassociates),
                   apart=_scan_cuts(graph, view, rules, update, cv))
 
 
@@ -399,10 +404,11 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
     sequence_cuts: let activations where the model's width meets a contraction hold
       their positions apart on the two sides (Megatron's sequence parallelism: the
       residual stream split on the tensor axis, gathered into the dots and
-      reduce-scattered out of them; see `_sequence_dims`); False: one layout per
+      reduce-scattered out of them; see `sequence.sequence_dims`); False: one layout per
       value dim.
   """
-  prog = _program(graph, with_scan_bodies(graph, view or unfolded_view(graph)))
+  prog = _program(graph, with_scan_bodies(graph, view or unfolded_view(graph)),
+                  profile.reassociates_all_reduces)
   first = _unite(prog, {}, lambda v, d: True)
   data, batch = _batch(prog, mesh, first, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}
@@ -410,7 +416,8 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   # kind through a cut ("dot": gathered into contractions; "elem": a contraction's
   # result as norms and residual adds hold it), over the dims the activation brings
   # to the contraction and keeps (the sequence; the batch stays one class, below).
-  cut_dims = _sequence_dims(prog, data, first.value_class) if sequence_cuts else {}
+  cut_dims = (sequence.sequence_dims(prog, data, first.value_class) if sequence_cuts
+              else {})
   u, read_sides = _unite_cut(prog, first, cut_dims, batch_dims)
   classes = _dim_classes(prog, u, {u.value_class[key] for key in batch_dims})
   allowed_batch = tuple(mesh.axis_names) if batch_axes is None else tuple(batch_axes)
@@ -603,85 +610,6 @@ def _contracts(graph: Graph, op: Op, rule: ruleslib.OpRule) -> bool:
   return bool(rule.reduce) and len(tensors) >= 2
 
 
-def _sequence_dims(prog: _Program, data: frozenset[int], classes) -> dict[int, set[int]]:
-  """Value -> the dims sequence parallelism may split apart at a contraction with a
-  weight (a dot with a kernel, an embedding lookup and its gradient's scatter-add).
-
-  Those are the dims the flowing operands (activations, the data) bring that no
-  weight holds: batch and sequence positions. They are cut where the model's width
-  meets a contraction: on an operand a non-contraction makes whose contracted dims
-  are the width (a norm's output into the column-parallel dots), and on a result
-  non-contractions read whose weight-made dims are the width (the row-parallel dots'
-  output into the residual add). The width is the class (`classes`: value dim ->
-  class without cuts) the contractions with weights hold most often. Between the
-  dots (attention, the MLP's activation) positions stay as the dots hold them:
-  Megatron's sequence parallelism, which XLA follows; splitting positions inside
-  attention (context parallelism) it does not (measured on GPT-2 small: 2.6x the
-  predicted collective bytes and "involuntary full rematerialization").
-  """
-  sites, count = _contraction_sites(prog, data, classes)
-  if not count:
-    return {}
-  width = max(count, key=lambda c: (count[c], -c))
-
-  def at_width(v, dims, fixed):
-    held = [d for d, f in enumerate(dims) if f in fixed]
-    return bool(held) and all(classes[(v, d)] == width for d in held)
-
-  out: dict[int, set[int]] = {}
-  for op, rule, tensors, held, fixed in sites:
-    for k in tensors:
-      if k in held:
-        continue
-      kept = {f for f in rule.inputs[k] if f is not None and f not in fixed}
-      a = prog.cv(op.inputs[k])
-      if (kept and a in prog.producer and a not in prog.free
-          and prog.producer[a] not in prog.update and not prog.contracts[prog.producer[a]]
-          and at_width(a, rule.inputs[k], fixed)):
-        out.setdefault(a, set()).update(d for d, f in enumerate(rule.inputs[k]) if f in kept)
-    flowing = {f for k in tensors if k not in held for f in rule.inputs[k]
-               if f is not None and f not in fixed}
-    r = prog.cv(op.outputs[0])
-    dims = {d for d, f in enumerate(rule.outputs[0]) if f in flowing}
-    if dims and at_width(r, rule.outputs[0], fixed) and any(
-        not prog.contracts[c] and c not in prog.update
-        for c in prog.graph.consumers.get(r, ()) if c in prog.contracts):
-      out.setdefault(r, set()).update(dims)
-  return out
-
-
-def _contraction_sites(prog: _Program, data: frozenset[int], classes) -> tuple[list, dict]:
-  """The contractions with a weight (op, rule, tensor operands, those weights hold, the
-  factors they hold), and per class how often they hold it fixed."""
-  graph, cv = prog.graph, prog.cv
-  # Program inputs other than the data, and what one-operand ops (casts, transposes,
-  # reshapes) make of them: the operands a contraction with a weight holds fixed.
-  weights = {cv(i.value) for i in graph.inputs if i.value not in data}
-  for op in prog.top:
-    ins = [cv(v) for v in op.inputs if v not in graph.literals and cv(v) not in prog.free]
-    if op.outputs and len(ins) == 1 and ins[0] in weights and not op.subregions:
-      weights.update(cv(v) for v in op.outputs)
-  weights |= prog.free
-  sites, count = [], {}
-  for op in prog.top:
-    if op.index in prog.update or not prog.contracts[op.index] or len(op.outputs) != 1:
-      continue
-    rule = prog.rules[op.index]
-    tensors = tuple(k for k, v in enumerate(op.inputs)
-                    if v not in graph.literals and graph.types[v].shape)
-    held = tuple(k for k in tensors if cv(op.inputs[k]) in weights)
-    if not held or len(held) == len(tensors):
-      continue
-    fixed = frozenset(f for k in held for f in rule.inputs[k] if f is not None)
-    sites.append((op, rule, tensors, held, fixed))
-    flowing = [(op.inputs[k], rule.inputs[k]) for k in tensors if k not in held]
-    for v, fs in flowing + [(op.outputs[0], rule.outputs[0])]:
-      for d, f in enumerate(fs):
-        if f in fixed:
-          count[classes[(cv(v), d)]] = count.get(classes[(cv(v), d)], 0) + 1
-  return sites, count
-
-
 def _unite_cut(prog: _Program, first: _United, cut_dims: Mapping[int, set[int]],
                batch_dims: set[tuple[int, int]]) -> tuple[_United, dict]:
   """The union again with the cut dims apart on the two sides, and (op index, value)
@@ -692,8 +620,8 @@ def _unite_cut(prog: _Program, first: _United, cut_dims: Mapping[int, set[int]],
       continue
     for v in op.inputs:
       v = prog.cv(v)
-      if v in cut_dims and prog.contracts[op.index] != prog.contracts[prog.producer[v]]:
-        read_sides[(op.index, v)] = "dot" if prog.contracts[op.index] else "elem"
+      if v in cut_dims and prog.dot_side[op.index] != prog.dot_side[prog.producer[v]]:
+        read_sides[(op.index, v)] = "dot" if prog.dot_side[op.index] else "elem"
   if not read_sides:
     return first, read_sides
   # The batch stays one class (the sides of a cut share it): `batch_axes` then holds

@@ -41,10 +41,12 @@ import re
 import time
 from typing import Sequence
 
+import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
-from tapas_jax.repeats import ACCUMULATE, contracts, loop_trip, segment_by_structure
+from tapas_jax.repeats import (ACCUMULATE, TopArrays, contracts, loop_trip,
+                               segment_by_structure, top_arrays)
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -404,8 +406,8 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
 
 
 def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
-                           edges: dict[int, list[int]], blind: dict[int, str]
-                           ) -> dict[int, str]:
+                           edges: dict[int, list[int]], blind: dict[int, str],
+                           arrays: TopArrays) -> dict[int, str]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -417,77 +419,152 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
 
   Returns:
     Each instance's fingerprint, of its members as they end up (the caller's grouping
-    into unique layers: fingerprinting is most of this pass, so it is done once).
+    into unique layers). Copies are told apart by `_Wiring.keys`, and each distinct
+    one fingerprinted once: a fingerprint per copy, before and after the sums go
+    back, was most of this pass.
   """
-  fingerprints = {k: _fingerprint(graph, members[k], blind) for k in edges}
+  keys = dict(zip(edges, _Wiring(arrays, [members[k] for k in edges]).keys()))
   groups = collections.defaultdict(list)
   for k in edges:
-    groups[fingerprints[k]].append(k)
+    groups[keys[k]].append(k)
+  fingerprints = {}
+  for ks in groups.values():
+    ops = (members[ks[0]] if len(ks) < 2 else
+           _give_back_sums(graph, members, edges, ks, blind, arrays))
+    fingerprint = _fingerprint(graph, ops, blind)  # once per group
+    fingerprints.update((k, fingerprint) for k in ks)
+  return fingerprints
 
-  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
+
+def _give_back_sums(graph: Graph, members: dict[int, list[int]],
+                    edges: dict[int, list[int]], copies: list[int],
+                    blind: dict[int, str], arrays: TopArrays) -> list[int]:
+  """`_restore_balanced_sums` for the `copies` of one layer (they fingerprint alike):
+  the first copy's members as they end up."""
+  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in copies}
 
   def own(k, i):
     return any(v in made[k] for v in graph.ops[i].inputs)
 
-  for keys in groups.values():
-    if len(keys) < 2:
-      continue
-    counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
-                                  if own(k, i)) for k in keys]
-    common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
-    if not common:
-      continue
-    back = {k: [i for i in edges[k]
-                if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
-    merged = {k: sorted(members[k] + back[k]) for k in keys}  # indices grow in program order
-    fps = _same_fingerprint(graph, [merged[k] for k in keys], blind)
-    if fps is not None:
-      for k in keys:
-        members[k] = merged[k]
-        fingerprints[k] = fps
-        returned = set(back[k])
-        edges[k] = [i for i in edges[k] if i not in returned]
-  return fingerprints
+  counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
+                                if own(k, i)) for k in copies]
+  common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
+  if not common:
+    return members[copies[0]]
+  back = {k: [i for i in edges[k]
+              if own(k, i) and blind.get(i, graph.ops[i].signature) in common]
+          for k in copies}
+  merged = {k: sorted(members[k] + back[k]) for k in copies}  # indices grow in program order
+  if len(set(_Wiring(arrays, [merged[k] for k in copies]).keys())) > 1:
+    return members[copies[0]]
+  for k in copies:
+    members[k] = merged[k]
+    returned = set(back[k])
+    edges[k] = [i for i in edges[k] if i not in returned]
+  return members[copies[0]]
 
 
 def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
   return subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
 
 
-def _same_fingerprint(graph: Graph, op_lists: Sequence[Sequence[int]],
-                      blind: dict[int, str]) -> str | None:
-  """The fingerprint all of `op_lists` share, or None (found at the first that differs)."""
-  first = _fingerprint(graph, op_lists[0], blind)
-  for ops in op_lists[1:]:
-    if _fingerprint(graph, ops, blind) != first:
-      return None
-  return first
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
+  ends = np.cumsum(counts)
+  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                  else 0)
 
 
-def _boundary_values(graph: Graph, ops: Sequence[int], returned: set[int]
-                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(Values `ops` read from outside, values they make that are read outside or
-  `returned` by the program.)"""
-  inside = set(ops)
-  made = {v for i in ops for v in graph.ops[i].outputs}
-  reads = []
-  seen = set()
-  for i in ops:
-    for v in graph.ops[i].inputs:
-      if v not in made and v not in graph.literals and v not in seen:
-        seen.add(v)
-        reads.append(v)
-  writes = []
-  for i in ops:
-    for v in graph.ops[i].outputs:
-      if v in returned:
-        writes.append(v)
-        continue
-      for c in graph.consumers.get(v, ()):
-        if c not in inside and graph.ops[c].region == 0:
-          writes.append(v)
-          break
-  return tuple(reads), tuple(writes)
+class _Wiring:
+  """Disjoint lists of top-level ops, each in program order, and how each is wired, as
+  arrays: the lists concatenated, then their ops' inputs and outputs.
+
+  `subgraph_fingerprint` names a value made inside a list by (op position, output
+  slot), and one from outside by how many values the list had named before its first
+  use; `keys` holds the same names (those from outside counted among themselves: each
+  op's outputs count alike in two lists with the same signatures), so two lists have
+  equal keys exactly when they fingerprint alike.
+  """
+
+  def __init__(self, arrays: TopArrays, op_lists: Sequence[Sequence[int]]):
+    self._arrays = arrays
+    self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
+    num = int(self._sizes.sum())
+    self.rows = arrays.row[np.fromiter(
+        (i for ops in op_lists for i in ops), np.int64, num)]  # positions in the top level
+    self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
+    self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
+    pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
+    starts, n_in = arrays.starts[self.rows], arrays.num_inputs[self.rows]
+    n_out = arrays.num_outputs[self.rows]
+    self._n_in, self._n_out = n_in, n_out
+    self.out_values = arrays.values[_ranges(starts + n_in, n_out)]
+    out_row = np.repeat(np.arange(num), n_out)
+    made_at = np.full(len(arrays.literal), -1, np.int64)  # value -> row making it
+    made_at[self.out_values] = out_row
+    slot = np.zeros(len(arrays.literal), np.int64)
+    slot[self.out_values] = np.arange(len(out_row)) - np.repeat(np.cumsum(n_out) - n_out,
+                                                                 n_out)
+    self.in_values = v = arrays.values[_ranges(starts, n_in)]
+    in_row = np.repeat(np.arange(num), n_in)
+    self.in_owner = in_owner = self.owner[in_row]
+    maker = made_at[v]
+    inside = (maker >= 0) & (self.owner[np.maximum(maker, 0)] == in_owner)
+    # Values from outside: numbered by first use within their list.
+    outside = np.flatnonzero(~inside)
+    _, first, again = np.unique(in_owner[outside] * len(arrays.literal) + v[outside],
+                                return_index=True, return_inverse=True)
+    is_first = np.zeros(len(outside), bool)
+    is_first[first] = True
+    self.first_use = np.zeros(len(v), bool)
+    self.first_use[outside[is_first]] = True
+    order = np.cumsum(is_first) - 1
+    per_list = np.bincount(in_owner[outside[is_first]], minlength=len(op_lists))
+    order -= (np.cumsum(per_list) - per_list)[in_owner[outside]]
+    self._ref = np.where(inside, pos[np.maximum(maker, 0)], 0)
+    self._ref[outside] = -1 - order[first][again.ravel()]
+    self._slot = np.where(inside, slot[v], 0)
+    in_ends = np.concatenate([[0], np.cumsum(n_in)])
+    self._in_bounds = in_ends[self._bounds]
+    out_ends = np.concatenate([[0], np.cumsum(n_out)])
+    self._out_bounds = out_ends[self._bounds]
+
+  def keys(self) -> list[tuple[bytes, ...]]:
+    """Per list, its canonical wiring: equal exactly where the fingerprints are."""
+    codes = self._arrays.codes[self.rows]
+    out = []
+    for j in range(len(self._sizes)):
+      a, b = self._bounds[j], self._bounds[j + 1]
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      out.append((codes[a:b].tobytes(), self._n_in[a:b].tobytes(),
+                  self._n_out[a:b].tobytes(), self._ref[c:d].tobytes(),
+                  self._slot[c:d].tobytes()))
+    return out
+
+  def boundaries(self, returned: Sequence[int]) -> list[tuple[tuple[int, ...],
+                                                             tuple[int, ...]]]:
+    """Per list, (values it reads from outside, literals left out, in order of first
+    use; values it makes that are `returned` by the program or read by a top-level op
+    outside it, in program order)."""
+    arrays = self._arrays
+    owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
+    owner_at[self.rows] = self.owner
+    maker_owner = np.full(len(arrays.literal), -1, np.int64)
+    maker_owner[self.out_values] = np.repeat(self.owner, self._n_out)
+    reads = arrays.values[arrays.read]
+    theirs = maker_owner[reads]
+    leaves = np.zeros(len(arrays.literal), bool)
+    leaves[reads[(theirs >= 0) & (owner_at[arrays.positions[arrays.read]] != theirs)]] = True
+    leaves[np.asarray(returned, np.int64)] = True
+    takes = self.first_use & ~arrays.literal[self.in_values]
+    out = []
+    for j in range(len(self._sizes)):
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      e, f = self._out_bounds[j], self._out_bounds[j + 1]
+      made = self.out_values[e:f]
+      out.append((tuple(self.in_values[c:d][takes[c:d]].tolist()),
+                  tuple(made[leaves[made]].tolist())))
+    return out
 
 
 def _layer_name(scope: tuple[str, ...], method: str) -> str:
@@ -549,18 +626,19 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   start = time.perf_counter()
   top = graph.region_ops(0)
   blind = _offset_blind(graph)
+  arrays = top_arrays(graph, top, blind)
   stack_scopes = _Scopes()
   found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
   if found is None:
-    return _finish(graph, top, segment_by_structure(graph, top, blind), "structure", start,
-                   blind, stack_scopes)
-  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes)
+    return _finish(graph, top, segment_by_structure(graph, top, blind, arrays), "structure",
+                   start, blind, stack_scopes, arrays)
+  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes, arrays)
   if _in_layers(by_names) >= _NAMES_ENOUGH:
     return by_names
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
-  by_structure = _finish(graph, top, segment_by_structure(graph, top, blind), "structure",
-                         start, blind, stack_scopes)
+  by_structure = _finish(graph, top, segment_by_structure(graph, top, blind, arrays),
+                         "structure", start, blind, stack_scopes, arrays)
   if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
     return by_structure
   return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
@@ -571,7 +649,7 @@ def _in_layers(folded: Folded) -> float:
 
 
 def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
-            blind: dict[int, str], stack_scopes: _Scopes) -> Folded:
+            blind: dict[int, str], stack_scopes: _Scopes, arrays: TopArrays) -> Folded:
   """Instances, unique layers and glue from segmented scopes."""
   layers, glue = found if found is not None else ({}, {})
 
@@ -601,17 +679,17 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
   edges = {}
   for k in layer_keys:
     members[k], edges[k] = _split_edge_sums(graph, members[k])
-  fingerprints = _restore_balanced_sums(graph, members, edges, blind)
+  fingerprints = _restore_balanced_sums(graph, members, edges, blind, arrays)
   sums = [i for k in layer_keys for i in edges[k]]
 
   by_fp: dict[str, list[int]] = {}
   raw = []
-  returned = set(graph.outputs)
+  bounds = _Wiring(arrays, [members[k] for k in layer_keys]).boundaries(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
     fp = fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
-    inputs, outputs = _boundary_values(graph, ops, returned)
+    inputs, outputs = bounds[pos]
     trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 

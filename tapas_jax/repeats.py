@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from typing import Iterable, Sequence
 
@@ -32,8 +33,8 @@ import numpy as np
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["ACCUMULATE", "MIN_PERIOD", "contracts", "loop_trip",
-           "segment_by_structure"]
+__all__ = ["ACCUMULATE", "MIN_PERIOD", "TopArrays", "contracts", "loop_trip",
+           "segment_by_structure", "top_arrays"]
 
 # Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
 MIN_PERIOD = 3
@@ -63,6 +64,70 @@ def loop_trip(graph: Graph, op: Op) -> int:
         1 for o in graph.ops if o.region == r) >= MIN_PERIOD:
       return region.trip_count
   return 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TopArrays:
+  """The top-level ops' signatures and wiring as arrays, found once per `fold`.
+
+  Folding by structure, and both ways of folding when they compare and bound the
+  instances they found, read every op's signature and values; a Python pass over the
+  ops per reader was a good part of folding.
+
+  Attributes:
+    row: per op of the graph (`Op.index`), its position in the top level, else -1.
+    codes: per top-level op, its signature (`blind`'s where given) as an int: equal
+      ints, equal signatures.
+    accumulate: per top-level op, whether it is a cotangent sum (`ACCUMULATE`).
+    values: every top-level op's inputs then outputs (literals and scalars included),
+      flattened in program order: op top[t]'s are values[starts[t]:starts[t + 1]].
+    starts: where each op's values start in `values`, then the end.
+    num_inputs: per top-level op, how many inputs it reads (its outputs follow them).
+    num_outputs: per top-level op, how many outputs it writes.
+    positions: per entry of `values`, the position in the top level of its op.
+    read: per entry of `values`, whether its op reads it (else writes it).
+    literal: per value of the graph, whether it is a literal (`Graph.literals`).
+  """
+
+  row: np.ndarray
+  codes: np.ndarray
+  accumulate: np.ndarray
+  values: np.ndarray
+  starts: np.ndarray
+  num_inputs: np.ndarray
+  num_outputs: np.ndarray
+  positions: np.ndarray
+  read: np.ndarray
+  literal: np.ndarray
+
+
+def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArrays:
+  """`TopArrays` of `top` (`graph.region_ops(0)`), signatures blind where `blind` says."""
+  index = np.fromiter((op.index for op in top), np.int64, len(top))
+  row = np.full(len(graph.ops), -1, np.int64)
+  row[index] = np.arange(len(top))
+  codes_map: dict[str, int] = {}
+  codes = np.fromiter((codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
+                       for op in top), np.int64, len(top))
+  accumulate = np.fromiter((op.primitive == ACCUMULATE for op in top), bool, len(top))
+  # Every op's inputs then outputs, flattened in program order (C loops: per-op
+  # Python here was a good part of folding).
+  inputs = [op.inputs for op in top]
+  outputs = [op.outputs for op in top]
+  values = np.fromiter(itertools.chain.from_iterable(
+      itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
+  num_inputs = np.fromiter(map(len, inputs), np.int64, len(top))
+  num_outputs = np.fromiter(map(len, outputs), np.int64, len(top))
+  lengths = num_inputs + num_outputs
+  literal = np.zeros(len(graph.types), bool)
+  literal[np.fromiter(graph.literals, np.int64, len(graph.literals))] = True
+  return TopArrays(
+      row=row, codes=codes, accumulate=accumulate, values=values,
+      starts=np.concatenate([[0], np.cumsum(lengths)]), num_inputs=num_inputs,
+      num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
+      read=np.repeat(np.tile([True, False], len(top)),
+                     np.stack([num_inputs, num_outputs], 1).ravel()),
+      literal=literal)
 
 
 def _candidate_periods(codes: np.ndarray) -> list[int]:
@@ -192,22 +257,15 @@ class _OpFacts:
     path_hi: per such op, the greatest.
   """
 
-  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int]):
+  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int],
+               arrays: TopArrays):
     self._top_pos = top_pos
     keep = np.array([bool(t.shape) for t in graph.types], bool)
-    keep[np.fromiter(graph.literals, np.int64, len(graph.literals))] = False
-    # Every op's inputs then outputs, flattened in program order (C loops: per-op
-    # Python here was a good part of folding).
-    inputs = [op.inputs for op in top]
-    outputs = [op.outputs for op in top]
-    flat = np.fromiter(itertools.chain.from_iterable(
-        itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
-    lengths = np.stack([np.fromiter(map(len, inputs), np.int64, len(top)),
-                        np.fromiter(map(len, outputs), np.int64, len(top))], 1)
-    kept = keep[flat]
-    self.values = flat[kept]
-    self.positions = np.repeat(np.arange(len(top)), lengths.sum(1))[kept]
-    self.read = np.repeat(np.tile([True, False], len(top)), lengths.ravel())[kept]
+    keep[arrays.literal] = False
+    kept = keep[arrays.values]
+    self.values = arrays.values[kept]
+    self.positions = arrays.positions[kept]
+    self.read = arrays.read[kept]
     self.starts = np.concatenate([[0], np.cumsum(np.bincount(self.positions,
                                                              minlength=len(top)))])
     self._values, self._starts = self.values.tolist(), self.starts.tolist()
@@ -455,28 +513,30 @@ def _best_phase(seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts
   return bounds.tolist(), target
 
 
-def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
+def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
+                         arrays: TopArrays | None = None):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
 
   Cotangent sums (`add_any`) are left out of the sequence searched for repeats and
   travel with the ops before them: the first block of a backward pass starts each
   chain of sums its successors extend (a stacked parameter's gradient, a shared
   table's), so it holds one sum fewer per chain and would break the period.
+
+  `arrays`: `top_arrays(graph, top, blind)`, where the caller has it already.
   """
-  seq = [op for op in top if op.primitive != ACCUMULATE]
-  codes_map: dict[str, int] = {}
-  codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
-                    for op in seq],
-                   dtype=np.int64)
+  if arrays is None:
+    arrays = top_arrays(graph, top, blind)
+  # The sequence searched is `top` less the sums. Where each of its ops sits in `top`,
+  # then the end: unit seq[j:j + p] is top[seq_pos[j]:seq_pos[j + p]], the sums after
+  # each op included.
+  seq_pos = np.append(np.flatnonzero(~arrays.accumulate), len(top))
+  codes = arrays.codes[seq_pos[:-1]]
   top_pos = {op.index: j for j, op in enumerate(top)}
-  # Where each op of `seq` sits in `top`, then the end: unit seq[j:j + p] is
-  # top[seq_pos[j]:seq_pos[j + p]], the sums after each op included.
-  seq_pos = np.array([top_pos[op.index] for op in seq] + [len(top)], np.int64)
 
   instances: list[list[int]] = []
   names: list[str] = []
   touches = _Touches()
-  facts = _OpFacts(graph, top, top_pos)
+  facts = _OpFacts(graph, top, top_pos, arrays)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)
     units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import re
 import time
 from typing import Sequence
@@ -45,8 +46,8 @@ import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
-from tapas_jax.repeats import (ACCUMULATE, TopArrays, contracts, loop_trip,
-                               segment_by_structure, top_arrays)
+from tapas_jax.repeats import (TopArrays, contracts, loop_trip, segment_by_structure,
+                               top_arrays)
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -377,7 +378,24 @@ def _propagate(graph: Graph, top: Sequence[Op], label: dict[int, int],
       break
 
 
-def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]]:
+def _members(arrays: TopArrays, label: dict[int, int]
+             ) -> tuple[dict[int, list[int]], list[int]]:
+  """(Label -> its top-level ops, the unlabeled ones), each in program order."""
+  rows = np.full(len(arrays.index), -1, np.int64)
+  rows[arrays.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
+      label.values(), np.int64, len(label))
+  order = np.argsort(rows, kind="stable")  # by label, then program order
+  ends = np.cumsum(np.bincount(rows + 1)).tolist()
+  ops = arrays.index[order].tolist()
+  members: dict[int, list[int]] = collections.defaultdict(list)
+  for k in range(len(ends) - 1):
+    if ends[k + 1] > ends[k]:
+      members[k] = ops[ends[k]:ends[k + 1]]
+  return members, ops[:ends[0]]
+
+
+def _split_edge_sums(graph: Graph, ops: list[int], arrays: TopArrays
+                     ) -> tuple[list[int], list[int]]:
   """Separates the cotangent sums that run along an instance's edge.
 
   A value used by several instances (a shared bias table, the encoder output, the
@@ -388,7 +406,8 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   with the same ops.
   """
   inside = set(ops)
-  sums = [i for i in ops if graph.ops[i].primitive == ACCUMULATE]
+  at = np.array(ops, np.int64)
+  sums = at[arrays.accumulate[arrays.row[at]]].tolist()
   changed = True
   while changed:
     changed = False
@@ -402,6 +421,8 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
       if from_outside or to_outside:
         inside.discard(i)
         changed = True
+  if len(inside) == len(ops):
+    return ops, []
   return [i for i in ops if i in inside], [i for i in ops if i not in inside]
 
 
@@ -423,14 +444,19 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
     one fingerprinted once: a fingerprint per copy, before and after the sums go
     back, was most of this pass.
   """
-  keys = dict(zip(edges, _Wiring(arrays, [members[k] for k in edges]).keys()))
+  wiring = _Wiring(arrays, [members[k] for k in edges])
+  keys = dict(zip(edges, wiring.keys()))
   groups = collections.defaultdict(list)
   for k in edges:
     groups[keys[k]].append(k)
   fingerprints = {}
+  made_by, list_of = None, {k: j for j, k in enumerate(edges)}
   for ks in groups.values():
+    if len(ks) >= 2 and made_by is None:
+      made_by = wiring.made_by().tolist()
     ops = (members[ks[0]] if len(ks) < 2 else
-           _give_back_sums(graph, members, edges, ks, blind, arrays))
+           _give_back_sums(graph, members, edges, ks, blind, arrays,
+                           made_by, list_of))
     fingerprint = _fingerprint(graph, ops, blind)  # once per group
     fingerprints.update((k, fingerprint) for k in ks)
   return fingerprints
@@ -438,13 +464,14 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
 
 def _give_back_sums(graph: Graph, members: dict[int, list[int]],
                     edges: dict[int, list[int]], copies: list[int],
-                    blind: dict[int, str], arrays: TopArrays) -> list[int]:
+                    blind: dict[int, str], arrays: TopArrays, made_by: list[int],
+                    list_of: dict[int, int]) -> list[int]:
   """`_restore_balanced_sums` for the `copies` of one layer (they fingerprint alike):
-  the first copy's members as they end up."""
-  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in copies}
+  the first copy's members as they end up. `made_by`: value -> which of the lists
+  `list_of` numbers makes it (`_Wiring.made_by` of the members before any go back)."""
 
   def own(k, i):
-    return any(v in made[k] for v in graph.ops[i].inputs)
+    return any(made_by[v] == list_of[k] for v in graph.ops[i].inputs)
 
   counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
                                 if own(k, i)) for k in copies]
@@ -490,8 +517,8 @@ class _Wiring:
     self._arrays = arrays
     self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
     num = int(self._sizes.sum())
-    self.rows = arrays.row[np.fromiter(
-        (i for ops in op_lists for i in ops), np.int64, num)]  # positions in the top level
+    self.rows = arrays.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
+                                       num)]  # positions in the top level
     self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
     self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
     pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
@@ -529,6 +556,12 @@ class _Wiring:
     out_ends = np.concatenate([[0], np.cumsum(n_out)])
     self._out_bounds = out_ends[self._bounds]
 
+  def made_by(self) -> np.ndarray:
+    """Per value of the graph, the list whose ops make it, else -1."""
+    out = np.full(len(self._arrays.literal), -1, np.int64)
+    out[self.out_values] = np.repeat(self.owner, self._n_out)
+    return out
+
   def keys(self) -> list[tuple[bytes, ...]]:
     """Per list, its canonical wiring: equal exactly where the fingerprints are."""
     codes = self._arrays.codes[self.rows]
@@ -549,8 +582,7 @@ class _Wiring:
     arrays = self._arrays
     owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
     owner_at[self.rows] = self.owner
-    maker_owner = np.full(len(arrays.literal), -1, np.int64)
-    maker_owner[self.out_values] = np.repeat(self.owner, self._n_out)
+    maker_owner = self.made_by()
     reads = arrays.values[arrays.read]
     theirs = maker_owner[reads]
     leaves = np.zeros(len(arrays.literal), bool)
@@ -630,27 +662,69 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   stack_scopes = _Scopes()
   found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
   if found is None:
-    return _finish(graph, top, segment_by_structure(graph, top, blind, arrays), "structure",
-                   start, blind, stack_scopes, arrays)
-  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes, arrays)
-  if _in_layers(by_names) >= _NAMES_ENOUGH:
-    return by_names
+    chosen = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
+                    "structure", blind, arrays)
+    return _finish(graph, chosen, start, stack_scopes, arrays)
+  # The two ways are weighed on their groupings: the boundaries and names of the one
+  # left out are not worth finding.
+  by_names = _group(graph, top, found, "names", blind, arrays)
+  if by_names.in_layers >= _NAMES_ENOUGH:
+    return _finish(graph, by_names, start, stack_scopes, arrays)
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
-  by_structure = _finish(graph, top, segment_by_structure(graph, top, blind, arrays),
-                         "structure", start, blind, stack_scopes, arrays)
-  if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
-    return by_structure
-  return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
+  by_structure = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
+                        "structure", blind, arrays)
+  chosen = (by_structure if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio
+            else by_names)
+  return _finish(graph, chosen, start, stack_scopes, arrays)
 
 
-def _in_layers(folded: Folded) -> float:
-  return sum(len(i.ops) for i in folded.instances) / max(folded.num_ops, 1)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Grouping:
+  """Top-level ops grouped into instances by one way of folding, before the instances'
+  boundaries and the layers' names: all that weighing names against structure reads.
+
+  Attributes:
+    method: "names" or "structure".
+    scopes: the layer scopes, then the glue scopes.
+    num_layer_scopes: how many of `scopes` are layer scopes.
+    members: scope index -> its ops, in program order (an instance's less its edge sums).
+    layer_keys: the scope indices of the instances, in program order of first op.
+    fingerprints: per instance (scope index), its fingerprint.
+    sums: the edge sums left outside the instances, in order of `layer_keys`.
+    leftovers: top-level ops in no scope.
+    num_ops: how many top-level ops.
+  """
+
+  method: str
+  scopes: tuple[tuple[str, ...], ...]
+  num_layer_scopes: int
+  members: dict[int, list[int]]
+  layer_keys: tuple[int, ...]
+  fingerprints: dict[int, str]
+  sums: tuple[int, ...]
+  leftovers: tuple[int, ...]
+  num_ops: int
+
+  @property
+  def in_layers(self) -> float:
+    """Share of the top-level ops in instances."""
+    return sum(len(self.members[k]) for k in self.layer_keys) / max(self.num_ops, 1)
+
+  @property
+  def fold_ratio(self) -> float:
+    """`Folded.fold_ratio` of this grouping."""
+    glue = sum(len(self.members[k]) for k in range(self.num_layer_scopes, len(self.scopes)))
+    unique: dict[str, int] = {}
+    for k in self.layer_keys:
+      unique.setdefault(self.fingerprints[k], len(self.members[k]))
+    searched = glue + len(self.sums) + len(self.leftovers) + sum(unique.values())
+    return self.num_ops / max(searched, 1)
 
 
-def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
-            blind: dict[int, str], stack_scopes: _Scopes, arrays: TopArrays) -> Folded:
-  """Instances, unique layers and glue from segmented scopes."""
+def _group(graph: Graph, top: Sequence[Op], found, method: str, blind: dict[int, str],
+           arrays: TopArrays) -> _Grouping:
+  """Instances and glue scopes from segmented scopes (`found`: layers, glue)."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
@@ -667,27 +741,30 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
 
-  members: dict[int, list[int]] = collections.defaultdict(list)
-  leftovers = []
-  for op in top:
-    if op.index in label:
-      members[label[op.index]].append(op.index)
-    else:
-      leftovers.append(op.index)
+  members, leftovers = _members(arrays, label)
   layer_keys = sorted((k for k in range(len(layers)) if members[k]),
                       key=lambda k: members[k][0])
   edges = {}
   for k in layer_keys:
-    members[k], edges[k] = _split_edge_sums(graph, members[k])
+    members[k], edges[k] = _split_edge_sums(graph, members[k], arrays)
   fingerprints = _restore_balanced_sums(graph, members, edges, blind, arrays)
-  sums = [i for k in layer_keys for i in edges[k]]
+  return _Grouping(method=method, scopes=tuple(scopes), num_layer_scopes=len(layers),
+                   members=members, layer_keys=tuple(layer_keys), fingerprints=fingerprints,
+                   sums=tuple(i for k in layer_keys for i in edges[k]),
+                   leftovers=tuple(leftovers), num_ops=len(top))
 
+
+def _finish(graph: Graph, grouping: _Grouping, start: float, stack_scopes: _Scopes,
+            arrays: TopArrays) -> Folded:
+  """The `Folded` of a grouping: instances with their boundaries, named unique layers,
+  glue."""
+  scopes, members, layer_keys = grouping.scopes, grouping.members, grouping.layer_keys
   by_fp: dict[str, list[int]] = {}
   raw = []
   bounds = _Wiring(arrays, [members[k] for k in layer_keys]).boundaries(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = fingerprints[k]
+    fp = grouping.fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
     inputs, outputs = bounds[pos]
     trip = _stack_trip(graph, ops)
@@ -698,6 +775,7 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       LayerInstance(index=pos, name="/".join(scope), layer=fp_index[fp], ops=tuple(ops),
                     inputs=inputs, outputs=outputs, trip_count=trip)
       for pos, (scope, ops, inputs, outputs, trip, fp) in enumerate(raw))
+  method = grouping.method
   groups = [[raw[p][0] for p in positions] for positions in by_fp.values()]
   names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups],
                           stack_scopes)
@@ -708,11 +786,11 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       for n, (fp, positions) in enumerate(by_fp.items()))
 
   glue_segments = [Segment(name="/".join(scopes[k]), ops=tuple(members[k]))
-                   for k in range(len(layers), len(scopes)) if members[k]]
-  if sums:
-    glue_segments.append(Segment(name="(cotangent sums)", ops=tuple(sorted(sums))))
-  if leftovers:
-    glue_segments.append(Segment(name="", ops=tuple(leftovers)))
+                   for k in range(grouping.num_layer_scopes, len(scopes)) if members[k]]
+  if grouping.sums:
+    glue_segments.append(Segment(name="(cotangent sums)", ops=tuple(sorted(grouping.sums))))
+  if grouping.leftovers:
+    glue_segments.append(Segment(name="", ops=grouping.leftovers))
 
   return Folded(graph=graph, unique_layers=unique, instances=instances,
                 glue=tuple(glue_segments), method=method, fold_s=time.perf_counter() - start)

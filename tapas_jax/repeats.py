@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -75,6 +76,7 @@ class TopArrays:
   ops per reader was a good part of folding.
 
   Attributes:
+    index: per top-level op, its `Op.index`.
     row: per op of the graph (`Op.index`), its position in the top level, else -1.
     codes: per top-level op, its signature (`blind`'s where given) as an int: equal
       ints, equal signatures.
@@ -89,6 +91,7 @@ class TopArrays:
     literal: per value of the graph, whether it is a literal (`Graph.literals`).
   """
 
+  index: np.ndarray
   row: np.ndarray
   codes: np.ndarray
   accumulate: np.ndarray
@@ -106,10 +109,14 @@ def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArr
   index = np.fromiter((op.index for op in top), np.int64, len(top))
   row = np.full(len(graph.ops), -1, np.int64)
   row[index] = np.arange(len(top))
-  codes_map: dict[str, int] = {}
-  codes = np.fromiter((codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
-                       for op in top), np.int64, len(top))
-  accumulate = np.fromiter((op.primitive == ACCUMULATE for op in top), bool, len(top))
+  signatures = [op.signature for op in top]
+  for i, text in blind.items():  # few ops: the slices and pads
+    if row[i] >= 0:
+      signatures[row[i]] = text
+  code = {text: k for k, text in enumerate(dict.fromkeys(signatures))}
+  codes = np.fromiter(map(code.__getitem__, signatures), np.int64, len(top))
+  primitives = [op.primitive for op in top]
+  accumulate = np.fromiter(map(ACCUMULATE.__eq__, primitives), bool, len(top))
   # Every op's inputs then outputs, flattened in program order (C loops: per-op
   # Python here was a good part of folding).
   inputs = [op.inputs for op in top]
@@ -122,7 +129,7 @@ def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArr
   literal = np.zeros(len(graph.types), bool)
   literal[np.fromiter(graph.literals, np.int64, len(graph.literals))] = True
   return TopArrays(
-      row=row, codes=codes, accumulate=accumulate, values=values,
+      index=index, row=row, codes=codes, accumulate=accumulate, values=values,
       starts=np.concatenate([[0], np.cumsum(lengths)]), num_inputs=num_inputs,
       num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
       read=np.repeat(np.tile([True, False], len(top)),
@@ -257,10 +264,10 @@ class _OpFacts:
     path_hi: per such op, the greatest.
   """
 
-  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int],
-               arrays: TopArrays):
+  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: list[int], arrays: TopArrays):
     self._top_pos = top_pos
-    keep = np.array([bool(t.shape) for t in graph.types], bool)
+    keep = np.fromiter(map(bool, map(operator.attrgetter("shape"), graph.types)), bool,
+                       len(graph.types))
     keep[arrays.literal] = False
     kept = keep[arrays.values]
     self.values = arrays.values[kept]
@@ -278,8 +285,8 @@ class _OpFacts:
     for inp in graph.inputs:
       r = rank[tuple(inp.path.split("/"))]
       for c in graph.consumers.get(inp.value, ()):
-        t = top_pos.get(c)
-        if t is not None:
+        t = top_pos[c]
+        if t >= 0:
           lo[t] = min(lo.get(t, r), r)
           hi[t] = max(hi.get(t, r), r)
     self.path_pos = np.array(sorted(lo), np.int64)
@@ -293,6 +300,11 @@ class _OpFacts:
       t = self._top_pos[i]
       out.update(self._values[self._starts[t]:self._starts[t + 1]])
     return out
+
+  def touch_op(self, i: int) -> list[int]:
+    """The values op `i` reads or writes, as `touch` but listed (repeats kept)."""
+    t = self._top_pos[i]
+    return self._values[self._starts[t]:self._starts[t + 1]]
 
   def touch_range(self, begin: int, end: int) -> set[int]:
     """`touch` of top[begin:end]."""
@@ -396,6 +408,11 @@ class _Touches:
     """The instances that touch value `v`."""
     return self._by_value.get(v, ())
 
+  def holding(self, values: Iterable[int]) -> set[int]:
+    """The instances that touch any of `values`."""
+    by_value = self._by_value
+    return {k for v in values if v in by_value for k in by_value[v]}
+
   def shared(self, values: Iterable[int]) -> dict[int, int]:
     """Instance -> how many of `values` it touches (instances touching none left out)."""
     counts: dict[int, int] = {}
@@ -450,7 +467,7 @@ def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _T
     return {target: list(ops)}
   owner: dict[int, int] = {}
   for i in ops:
-    hits = set(touches.shared(facts.touch([i])))
+    hits = touches.holding(facts.touch_op(i))
     if len(hits) == 1:
       owner[i] = hits.pop()
   if len(set(owner.values())) <= 1:
@@ -499,17 +516,21 @@ def _best_phase(seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts
   phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
   phases = sorted(set(phases))
   ops = _Span(int(at[0]), int(seq_pos[stop]), facts, touches)
-  best = None
+  scored = []
   for phase in phases:
     first = start + phase
     count = len(range(first, stop - p + 1, p))
     bounds = seq_pos[first:first + count * p + 1:p]
     # With no instances yet nothing matches.
     score, target = ops.match(bounds) if len(touches) else (0, {})
-    key = (score, ops.path_affinity(bounds), -phase)
-    if best is None or key > best[0]:
-      best = (key, bounds, target)
-  _, bounds, target = best
+    scored.append((score, phase, bounds, target))
+  # The best match wins; the path affinity (the dearer score) only breaks its ties,
+  # then the earlier phase.
+  top_score = max(s[0] for s in scored)
+  tied = [s for s in scored if s[0] == top_score]
+  if len(tied) > 1:
+    tied = [max(tied, key=lambda s: (ops.path_affinity(s[2]), -s[1]))]
+  _, _, bounds, target = tied[0]
   return bounds.tolist(), target
 
 
@@ -531,7 +552,8 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
   # each op included.
   seq_pos = np.append(np.flatnonzero(~arrays.accumulate), len(top))
   codes = arrays.codes[seq_pos[:-1]]
-  top_pos = {op.index: j for j, op in enumerate(top)}
+  top_pos = arrays.row.tolist()  # op index -> position in `top`, else -1
+  index = arrays.index.tolist()
 
   instances: list[list[int]] = []
   names: list[str] = []
@@ -539,7 +561,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
   facts = _OpFacts(graph, top, top_pos, arrays)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)
-    units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
+    units = [index[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     for u, ops in enumerate(units):
       if u in target:
         for owner, part in _split_straddling(graph, facts, ops, touches,
@@ -553,10 +575,11 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
         names.append(f"repeat{k}[{u}]")
         touches.append(facts.touch_range(bounds[u], bounds[u + 1]))
   # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
-  claimed = {i for inst in instances for i in inst}
+  loop_ops = [op for op in top if op.subregions and loop_trip(graph, op)]
+  claimed = {i for inst in instances for i in inst} if loop_ops else set()
   loops: list[int] = []
-  for op in top:
-    if op.subregions and loop_trip(graph, op) and op.index not in claimed:
+  for op in loop_ops:
+    if op.index not in claimed:
       t = facts.touch([op.index])
       _, target = _match([t], touches, among=set(loops))
       if 0 in target:

@@ -53,8 +53,17 @@ def contracts(graph: Graph, ops: Iterable[int]) -> bool:
   """Whether any of `ops` contracts (a dot, a convolution: `Facts.contracts`) or holds
   a loop or branch. A repeated scope is a layer only if it contracts something:
   repeated layer norms or casts are cheap glue, not a sharding decision worth folding."""
-  return any(ruleslib.facts(graph.ops[i].primitive).contracts or graph.ops[i].subregions
-             for i in ops)
+  known: dict[str, bool] = {}  # per primitive: the ops hold few distinct ones
+  for i in ops:
+    op = graph.ops[i]
+    if op.subregions:
+      return True
+    c = known.get(op.primitive)
+    if c is None:
+      c = known[op.primitive] = ruleslib.facts(op.primitive).contracts
+    if c:
+      return True
+  return False
 
 
 def loop_trip(graph: Graph, op: Op) -> int:
@@ -278,12 +287,13 @@ class _OpFacts:
     self._values, self._starts = self.values.tolist(), self.starts.tolist()
     self.num_values = len(graph.types)
     # Few ops read graph inputs: they are found from the inputs' readers.
-    self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})
+    paths = [tuple(i.path.split("/")) for i in graph.inputs]
+    self.ranked = sorted(set(paths))
     rank = {path: r for r, path in enumerate(self.ranked)}
     lo: dict[int, int] = {}
     hi: dict[int, int] = {}
-    for inp in graph.inputs:
-      r = rank[tuple(inp.path.split("/"))]
+    for inp, path in zip(graph.inputs, paths):
+      r = rank[path]
       for c in graph.consumers.get(inp.value, ()):
         t = top_pos[c]
         if t >= 0:
@@ -325,9 +335,12 @@ class _Span:
     first, last = facts.starts[begin], facts.starts[end]
     pos = np.repeat(np.arange(begin, end), np.diff(facts.starts[begin:end + 1]))
     ids, values = np.unique(facts.values[first:last], return_inverse=True)
-    held = [touches.holders(v) for v in ids.tolist()]
-    counts = np.array([len(h) for h in held], np.int64)
-    holders = np.array([k for h in held for k in h], np.int64)
+    counts = touches.count[ids]
+    # Most values have one holder at most: the first; the others are listed.
+    holders = np.repeat(touches.first[ids], counts)
+    at = np.cumsum(counts) - counts
+    for j in np.flatnonzero(counts > 1).tolist():
+      holders[at[j]:at[j] + counts[j]] = touches.holders(int(ids[j]))
     # One row per (value of an op, instance holding it).
     per_value = counts[values]
     rows = np.repeat(np.arange(len(values)), per_value)
@@ -385,11 +398,21 @@ class _Span:
 class _Touches:
   """The values each instance reads or writes, indexed by value: matching a unit asks
   which instances share its values, and scanning every instance per unit would make
-  folding quadratic in depth."""
+  folding quadratic in depth.
 
-  def __init__(self):
+  Most values are touched by one instance: the index keeps the first toucher of each
+  value in a dict (filled from sets, in C) and only the later ones in lists, since a
+  list per value was most of indexing.
+  """
+
+  def __init__(self, num_values: int):
     self.sets: list[set[int]] = []
-    self._by_value: dict[int, list[int]] = collections.defaultdict(list)
+    self._first: dict[int, int] = {}
+    self._more: dict[int, list[int]] = collections.defaultdict(list)
+    # The same as arrays, for a span's values at once (`_Span`): per value, how many
+    # instances touch it and the first of them.
+    self.count = np.zeros(num_values, np.int64)
+    self.first = np.zeros(num_values, np.int64)
 
   def __len__(self) -> int:
     return len(self.sets)
@@ -401,23 +424,37 @@ class _Touches:
   def add(self, k: int, values: set[int]) -> None:
     new = values - self.sets[k]
     self.sets[k] |= new
-    for v in new:
-      self._by_value[v].append(k)
+    fresh = set(itertools.filterfalse(self._first.__contains__, new))
+    self._first.update(dict.fromkeys(fresh, k))
+    for v in new - fresh:
+      self._more[v].append(k)
+    added = np.fromiter(new, np.int64, len(new))
+    self.first[np.fromiter(fresh, np.int64, len(fresh))] = k
+    self.count[added] += 1
 
   def holders(self, v: int) -> Sequence[int]:
-    """The instances that touch value `v`."""
-    return self._by_value.get(v, ())
+    """The instances that touch value `v`, in the order they came to."""
+    k = self._first.get(v)
+    if k is None:
+      return ()
+    return [k, *self._more[v]] if v in self._more else (k,)
 
   def holding(self, values: Iterable[int]) -> set[int]:
     """The instances that touch any of `values`."""
-    by_value = self._by_value
-    return {k for v in values if v in by_value for k in by_value[v]}
+    out = set()
+    for v in values:
+      k = self._first.get(v)
+      if k is not None:
+        out.add(k)
+        if v in self._more:
+          out.update(self._more[v])
+    return out
 
   def shared(self, values: Iterable[int]) -> dict[int, int]:
     """Instance -> how many of `values` it touches (instances touching none left out)."""
     counts: dict[int, int] = {}
     for v in values:
-      for k in self._by_value.get(v, ()):
+      for k in self.holders(v):
         counts[k] = counts.get(k, 0) + 1
     return counts
 
@@ -557,7 +594,7 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
 
   instances: list[list[int]] = []
   names: list[str] = []
-  touches = _Touches()
+  touches = _Touches(len(graph.types))
   facts = _OpFacts(graph, top, top_pos, arrays)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import operator
 import re
 import time
 from typing import Sequence
@@ -291,13 +292,12 @@ def _offset_blind(graph: Graph) -> dict[int, str]:
   primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
   differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
-  drops = {}  # per primitive
-  for op in graph.ops:
-    drop = drops.get(op.primitive)
-    if drop is None:
-      drop = drops[op.primitive] = ruleslib.facts(op.primitive).offset_params
-    if not drop:
-      continue
+  primitives = list(map(operator.attrgetter("primitive"), graph.ops))
+  drops = {p: ruleslib.facts(p).offset_params for p in dict.fromkeys(primitives)}
+  placing = {p for p, drop in drops.items() if drop}
+  # The few slices and pads, picked in C: a look per op was most of this pass.
+  for op in itertools.compress(graph.ops, map(placing.__contains__, primitives)):
+    drop = drops[op.primitive]
     params = [(k, v) for k, v in op.params if k not in drop]
     if op.primitive == "pad":  # only how much each dim grows, not on which side
       params.append(("grow", str([(int(lo) + int(hi), int(mid))
@@ -428,7 +428,7 @@ def _split_edge_sums(graph: Graph, ops: list[int], arrays: TopArrays
 
 def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
                            edges: dict[int, list[int]], blind: dict[int, str],
-                           arrays: TopArrays) -> dict[int, str]:
+                           arrays: TopArrays) -> tuple[dict[int, str], _Wiring | None]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -442,7 +442,9 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
     Each instance's fingerprint, of its members as they end up (the caller's grouping
     into unique layers). Copies are told apart by `_Wiring.keys`, and each distinct
     one fingerprinted once: a fingerprint per copy, before and after the sums go
-    back, was most of this pass.
+    back, was most of this pass. Then the `_Wiring` of the instances' members as they
+    end up, in the order of `edges`, where this pass built it (no sums went back, or
+    all instances are copies of one layer), else None.
   """
   wiring = _Wiring(arrays, [members[k] for k in edges])
   keys = dict(zip(edges, wiring.keys()))
@@ -451,24 +453,27 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
     groups[keys[k]].append(k)
   fingerprints = {}
   made_by, list_of = None, {k: j for j, k in enumerate(edges)}
+  final = wiring
   for ks in groups.values():
-    if len(ks) >= 2 and made_by is None:
-      made_by = wiring.made_by().tolist()
-    ops = (members[ks[0]] if len(ks) < 2 else
-           _give_back_sums(graph, members, edges, ks, blind, arrays,
-                           made_by, list_of))
-    fingerprint = _fingerprint(graph, ops, blind)  # once per group
+    if len(ks) >= 2:
+      if made_by is None:
+        made_by = wiring.made_by().tolist()
+      merged = _give_back_sums(graph, members, edges, ks, blind, arrays, made_by, list_of)
+      if merged is not None:
+        final = merged if len(ks) == len(edges) else None
+    fingerprint = _fingerprint(graph, members[ks[0]], blind)  # once per group
     fingerprints.update((k, fingerprint) for k in ks)
-  return fingerprints
+  return fingerprints, final
 
 
 def _give_back_sums(graph: Graph, members: dict[int, list[int]],
                     edges: dict[int, list[int]], copies: list[int],
                     blind: dict[int, str], arrays: TopArrays, made_by: list[int],
-                    list_of: dict[int, int]) -> list[int]:
+                    list_of: dict[int, int]) -> _Wiring | None:
   """`_restore_balanced_sums` for the `copies` of one layer (they fingerprint alike):
-  the first copy's members as they end up. `made_by`: value -> which of the lists
-  `list_of` numbers makes it (`_Wiring.made_by` of the members before any go back)."""
+  the `_Wiring` of their members once sums went back, None if none did. `made_by`:
+  value -> which of the lists `list_of` numbers makes it (`_Wiring.made_by` of the
+  members before any go back)."""
 
   def own(k, i):
     return any(made_by[v] == list_of[k] for v in graph.ops[i].inputs)
@@ -477,18 +482,19 @@ def _give_back_sums(graph: Graph, members: dict[int, list[int]],
                                 if own(k, i)) for k in copies]
   common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
   if not common:
-    return members[copies[0]]
+    return None
   back = {k: [i for i in edges[k]
               if own(k, i) and blind.get(i, graph.ops[i].signature) in common]
           for k in copies}
   merged = {k: sorted(members[k] + back[k]) for k in copies}  # indices grow in program order
-  if len(set(_Wiring(arrays, [merged[k] for k in copies]).keys())) > 1:
-    return members[copies[0]]
+  wiring = _Wiring(arrays, [merged[k] for k in copies])
+  if len(set(wiring.keys())) > 1:
+    return None
   for k in copies:
     members[k] = merged[k]
     returned = set(back[k])
     edges[k] = [i for i in edges[k] if i not in returned]
-  return members[copies[0]]
+  return wiring
 
 
 def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
@@ -691,6 +697,8 @@ class _Grouping:
     members: scope index -> its ops, in program order (an instance's less its edge sums).
     layer_keys: the scope indices of the instances, in program order of first op.
     fingerprints: per instance (scope index), its fingerprint.
+    wiring: the `_Wiring` of the instances' members, in order of `layer_keys`, where
+      known already.
     sums: the edge sums left outside the instances, in order of `layer_keys`.
     leftovers: top-level ops in no scope.
     num_ops: how many top-level ops.
@@ -702,6 +710,7 @@ class _Grouping:
   members: dict[int, list[int]]
   layer_keys: tuple[int, ...]
   fingerprints: dict[int, str]
+  wiring: _Wiring | None
   sums: tuple[int, ...]
   leftovers: tuple[int, ...]
   num_ops: int
@@ -747,9 +756,10 @@ def _group(graph: Graph, top: Sequence[Op], found, method: str, blind: dict[int,
   edges = {}
   for k in layer_keys:
     members[k], edges[k] = _split_edge_sums(graph, members[k], arrays)
-  fingerprints = _restore_balanced_sums(graph, members, edges, blind, arrays)
+  fingerprints, wiring = _restore_balanced_sums(graph, members, edges, blind, arrays)
   return _Grouping(method=method, scopes=tuple(scopes), num_layer_scopes=len(layers),
                    members=members, layer_keys=tuple(layer_keys), fingerprints=fingerprints,
+                   wiring=wiring,
                    sums=tuple(i for k in layer_keys for i in edges[k]),
                    leftovers=tuple(leftovers), num_ops=len(top))
 
@@ -761,7 +771,8 @@ def _finish(graph: Graph, grouping: _Grouping, start: float, stack_scopes: _Scop
   scopes, members, layer_keys = grouping.scopes, grouping.members, grouping.layer_keys
   by_fp: dict[str, list[int]] = {}
   raw = []
-  bounds = _Wiring(arrays, [members[k] for k in layer_keys]).boundaries(graph.outputs)
+  wiring = grouping.wiring or _Wiring(arrays, [members[k] for k in layer_keys])
+  bounds = wiring.boundaries(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
     fp = grouping.fingerprints[k]

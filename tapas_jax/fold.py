@@ -191,7 +191,9 @@ class _Scopes(dict):
 class _ScopeTree:
   """Top-level ops grouped by scope prefix."""
 
-  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes):
+  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes,
+               index: np.ndarray | None = None):
+    """`index`: the ops' `Op.index`, as an array, where the caller has it."""
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
@@ -199,15 +201,15 @@ class _ScopeTree:
     # Ops grouped by name stack, then by scope (in order of each one's first op), so
     # that each stack is looked at once and each scope's prefixes walked once, not
     # once per op. A loop takes the common scope of its body: a group of its own.
-    by_stack: dict[object, list[int]] = {}
+    keys: list[object] = list(map(operator.attrgetter("name_stack"), ops))
     loop_scopes: dict[object, tuple[str, ...]] = {}
-    for op in ops:
-      key = op.name_stack
-      if op.subregions and loop_trip(graph, op):
-        key = ("loop", op.index)
-        loop_scopes[key] = _op_scope(graph, op, stack_scopes)
+    for j in itertools.compress(range(len(ops)),
+                                map(operator.attrgetter("subregions"), ops)):
+      if loop_trip(graph, ops[j]):
+        key = keys[j] = ("loop", ops[j].index)
+        loop_scopes[key] = _op_scope(graph, ops[j], stack_scopes)
         self.loops.add(loop_scopes[key])
-      by_stack.setdefault(key, []).append(op.index)
+    by_stack = _group_by(keys, [op.index for op in ops] if index is None else index)
     by_scope: dict[tuple[str, ...], list[int]] = {}
     untransposed_by_scope: dict[tuple[str, ...], list[int]] = {}
     for key, members in by_stack.items():
@@ -233,6 +235,17 @@ class _ScopeTree:
         members.sort()
 
 
+def _group_by(keys: Sequence[object], index: Sequence[int] | np.ndarray
+              ) -> dict[object, list[int]]:
+  """Key -> the `index` entries at its positions in `keys`, keys in order of first
+  appearance (as appending one by one would give, in C: Keras names every op)."""
+  code = {key: n for n, key in enumerate(dict.fromkeys(keys))}
+  ids = np.fromiter(map(code.__getitem__, keys), np.int64, len(keys))
+  ends = np.cumsum(np.bincount(ids, minlength=len(code))).tolist()
+  grouped = np.asarray(index, np.int64)[np.argsort(ids, kind="stable")].tolist()
+  return {key: grouped[ends[n - 1] if n else 0:ends[n]] for key, n in code.items()}
+
+
 def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
   """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
   scope = stack_scopes[op.name_stack]
@@ -250,9 +263,9 @@ def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
 
 
 def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str],
-                      stack_scopes: _Scopes):
+                      stack_scopes: _Scopes, index: np.ndarray | None = None):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
-  tree = _ScopeTree(graph, top, stack_scopes)
+  tree = _ScopeTree(graph, top, stack_scopes, index)
   layers: dict[tuple[str, ...], list[int]] = {}
   glue: dict[tuple[str, ...], list[int]] = {}
 
@@ -378,12 +391,10 @@ def _propagate(graph: Graph, top: Sequence[Op], label: dict[int, int],
       break
 
 
-def _members(arrays: TopArrays, label: dict[int, int]
+def _members(arrays: TopArrays, rows: np.ndarray
              ) -> tuple[dict[int, list[int]], list[int]]:
-  """(Label -> its top-level ops, the unlabeled ones), each in program order."""
-  rows = np.full(len(arrays.index), -1, np.int64)
-  rows[arrays.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
-      label.values(), np.int64, len(label))
+  """(Label -> its top-level ops, the unlabeled ones), each in program order, from
+  each top-level op's label (`rows`; -1: none)."""
   order = np.argsort(rows, kind="stable")  # by label, then program order
   ends = np.cumsum(np.bincount(rows + 1)).tolist()
   ops = arrays.index[order].tolist()
@@ -666,7 +677,8 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   blind = _offset_blind(graph)
   arrays = top_arrays(graph, top, blind)
   stack_scopes = _Scopes()
-  found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
+  found = (_segment_by_names(graph, top, blind, stack_scopes, arrays.index) if use_names
+           else None)
   if found is None:
     chosen = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
                     "structure", blind, arrays)
@@ -738,19 +750,25 @@ def _group(graph: Graph, top: Sequence[Op], found, method: str, blind: dict[int,
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
   scopes = list(layers) + list(glue)
-  label: dict[int, int] = {}
-  for k, scope in enumerate(scopes):
-    for i in (layers.get(scope) or glue[scope]):
-      label.setdefault(i, k)
+  rows = np.full(len(top), -1, np.int64)  # per top-level op, its label
   if method == "names":
+    label: dict[int, int] = {}
+    for k, scope in enumerate(scopes):
+      for i in (layers.get(scope) or glue[scope]):
+        label.setdefault(i, k)
     # Under names, unnamed ops (optimizer updates, loss) join the layer whose values they
     # use. Structural runs already hold the backward and update units; the rest is glue.
     value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)})
     for i, k in label.items():
       value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
-
-  members, leftovers = _members(arrays, label)
+    rows[arrays.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
+        label.values(), np.int64, len(label))
+  else:
+    for k in reversed(range(len(scopes))):  # an op in two scopes takes the first
+      ops = layers.get(scopes[k]) or glue[scopes[k]]
+      rows[arrays.row[np.fromiter(ops, np.int64, len(ops))]] = k
+  members, leftovers = _members(arrays, rows)
   layer_keys = sorted((k for k in range(len(layers)) if members[k]),
                       key=lambda k: members[k][0])
   edges = {}

@@ -37,14 +37,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import operator
 import re
 import time
 from typing import Sequence
 
+import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
-from tapas_jax.repeats import ACCUMULATE, contracts, loop_trip, segment_by_structure
+from tapas_jax.repeats import (TopArrays, contracts, loop_trip, segment_by_structure,
+                               top_arrays)
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -187,7 +191,9 @@ class _Scopes(dict):
 class _ScopeTree:
   """Top-level ops grouped by scope prefix."""
 
-  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes):
+  def __init__(self, graph: Graph, ops: Sequence[Op], stack_scopes: _Scopes,
+               index: np.ndarray | None = None):
+    """`index`: the ops' `Op.index`, as an array, where the caller has it."""
     self.subtree: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.untransposed: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     self.children: dict[tuple[str, ...], list[str]] = collections.defaultdict(list)
@@ -195,15 +201,15 @@ class _ScopeTree:
     # Ops grouped by name stack, then by scope (in order of each one's first op), so
     # that each stack is looked at once and each scope's prefixes walked once, not
     # once per op. A loop takes the common scope of its body: a group of its own.
-    by_stack: dict[object, list[int]] = {}
+    keys: list[object] = list(map(operator.attrgetter("name_stack"), ops))
     loop_scopes: dict[object, tuple[str, ...]] = {}
-    for op in ops:
-      key = op.name_stack
-      if op.subregions and loop_trip(graph, op):
-        key = ("loop", op.index)
-        loop_scopes[key] = _op_scope(graph, op, stack_scopes)
+    for j in itertools.compress(range(len(ops)),
+                                map(operator.attrgetter("subregions"), ops)):
+      if loop_trip(graph, ops[j]):
+        key = keys[j] = ("loop", ops[j].index)
+        loop_scopes[key] = _op_scope(graph, ops[j], stack_scopes)
         self.loops.add(loop_scopes[key])
-      by_stack.setdefault(key, []).append(op.index)
+    by_stack = _group_by(keys, [op.index for op in ops] if index is None else index)
     by_scope: dict[tuple[str, ...], list[int]] = {}
     untransposed_by_scope: dict[tuple[str, ...], list[int]] = {}
     for key, members in by_stack.items():
@@ -229,6 +235,17 @@ class _ScopeTree:
         members.sort()
 
 
+def _group_by(keys: Sequence[object], index: Sequence[int] | np.ndarray
+              ) -> dict[object, list[int]]:
+  """Key -> the `index` entries at its positions in `keys`, keys in order of first
+  appearance (as appending one by one would give, in C: Keras names every op)."""
+  code = {key: n for n, key in enumerate(dict.fromkeys(keys))}
+  ids = np.fromiter(map(code.__getitem__, keys), np.int64, len(keys))
+  ends = np.cumsum(np.bincount(ids, minlength=len(code))).tolist()
+  grouped = np.asarray(index, np.int64)[np.argsort(ids, kind="stable")].tolist()
+  return {key: grouped[ends[n - 1] if n else 0:ends[n]] for key, n in code.items()}
+
+
 def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
   """An op's scope; a counted loop also takes the common scope of its body (nn.scan)."""
   scope = stack_scopes[op.name_stack]
@@ -246,9 +263,9 @@ def _op_scope(graph: Graph, op: Op, stack_scopes: _Scopes) -> tuple[str, ...]:
 
 
 def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str],
-                      stack_scopes: _Scopes):
+                      stack_scopes: _Scopes, index: np.ndarray | None = None):
   """Scope -> (kind, ops) with kind "layer" or "glue", or None without repeats."""
-  tree = _ScopeTree(graph, top, stack_scopes)
+  tree = _ScopeTree(graph, top, stack_scopes, index)
   layers: dict[tuple[str, ...], list[int]] = {}
   glue: dict[tuple[str, ...], list[int]] = {}
 
@@ -288,13 +305,12 @@ def _offset_blind(graph: Graph) -> dict[int, str]:
   primitive's `Facts.offset_params`. Blocks over one stacked parameter (`stacked[i]`)
   differ only in them: the same computation on another slice, so the same sharding."""
   out = {}
-  drops = {}  # per primitive
-  for op in graph.ops:
-    drop = drops.get(op.primitive)
-    if drop is None:
-      drop = drops[op.primitive] = ruleslib.facts(op.primitive).offset_params
-    if not drop:
-      continue
+  primitives = list(map(operator.attrgetter("primitive"), graph.ops))
+  drops = {p: ruleslib.facts(p).offset_params for p in dict.fromkeys(primitives)}
+  placing = {p for p, drop in drops.items() if drop}
+  # The few slices and pads, picked in C: a look per op was most of this pass.
+  for op in itertools.compress(graph.ops, map(placing.__contains__, primitives)):
+    drop = drops[op.primitive]
     params = [(k, v) for k, v in op.params if k not in drop]
     if op.primitive == "pad":  # only how much each dim grows, not on which side
       params.append(("grow", str([(int(lo) + int(hi), int(mid))
@@ -375,7 +391,22 @@ def _propagate(graph: Graph, top: Sequence[Op], label: dict[int, int],
       break
 
 
-def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]]:
+def _members(arrays: TopArrays, rows: np.ndarray
+             ) -> tuple[dict[int, list[int]], list[int]]:
+  """(Label -> its top-level ops, the unlabeled ones), each in program order, from
+  each top-level op's label (`rows`; -1: none)."""
+  order = np.argsort(rows, kind="stable")  # by label, then program order
+  ends = np.cumsum(np.bincount(rows + 1)).tolist()
+  ops = arrays.index[order].tolist()
+  members: dict[int, list[int]] = collections.defaultdict(list)
+  for k in range(len(ends) - 1):
+    if ends[k + 1] > ends[k]:
+      members[k] = ops[ends[k]:ends[k + 1]]
+  return members, ops[:ends[0]]
+
+
+def _split_edge_sums(graph: Graph, ops: list[int], arrays: TopArrays
+                     ) -> tuple[list[int], list[int]]:
   """Separates the cotangent sums that run along an instance's edge.
 
   A value used by several instances (a shared bias table, the encoder output, the
@@ -386,7 +417,8 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
   with the same ops.
   """
   inside = set(ops)
-  sums = [i for i in ops if graph.ops[i].primitive == ACCUMULATE]
+  at = np.array(ops, np.int64)
+  sums = at[arrays.accumulate[arrays.row[at]]].tolist()
   changed = True
   while changed:
     changed = False
@@ -400,12 +432,14 @@ def _split_edge_sums(graph: Graph, ops: list[int]) -> tuple[list[int], list[int]
       if from_outside or to_outside:
         inside.discard(i)
         changed = True
+  if len(inside) == len(ops):
+    return ops, []
   return [i for i in ops if i in inside], [i for i in ops if i not in inside]
 
 
 def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
-                           edges: dict[int, list[int]], blind: dict[int, str]
-                           ) -> dict[int, str]:
+                           edges: dict[int, list[int]], blind: dict[int, str],
+                           arrays: TopArrays) -> tuple[dict[int, str], _Wiring | None]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -417,77 +451,169 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
 
   Returns:
     Each instance's fingerprint, of its members as they end up (the caller's grouping
-    into unique layers: fingerprinting is most of this pass, so it is done once).
+    into unique layers). Copies are told apart by `_Wiring.keys`, and each distinct
+    one fingerprinted once: a fingerprint per copy, before and after the sums go
+    back, was most of this pass. Then the `_Wiring` of the instances' members as they
+    end up, in the order of `edges`, where this pass built it (no sums went back, or
+    all instances are copies of one layer), else None.
   """
-  fingerprints = {k: _fingerprint(graph, members[k], blind) for k in edges}
+  wiring = _Wiring(arrays, [members[k] for k in edges])
+  keys = dict(zip(edges, wiring.keys()))
   groups = collections.defaultdict(list)
   for k in edges:
-    groups[fingerprints[k]].append(k)
+    groups[keys[k]].append(k)
+  fingerprints = {}
+  made_by, list_of = None, {k: j for j, k in enumerate(edges)}
+  final = wiring
+  for ks in groups.values():
+    if len(ks) >= 2:
+      if made_by is None:
+        made_by = wiring.made_by().tolist()
+      merged = _give_back_sums(graph, members, edges, ks, blind, arrays, made_by, list_of)
+      if merged is not None:
+        final = merged if len(ks) == len(edges) else None
+    fingerprint = _fingerprint(graph, members[ks[0]], blind)  # once per group
+    fingerprints.update((k, fingerprint) for k in ks)
+  return fingerprints, final
 
-  made = {k: {v for j in members[k] for v in graph.ops[j].outputs} for k in edges}
+
+def _give_back_sums(graph: Graph, members: dict[int, list[int]],
+                    edges: dict[int, list[int]], copies: list[int],
+                    blind: dict[int, str], arrays: TopArrays, made_by: list[int],
+                    list_of: dict[int, int]) -> _Wiring | None:
+  """`_restore_balanced_sums` for the `copies` of one layer (they fingerprint alike):
+  the `_Wiring` of their members once sums went back, None if none did. `made_by`:
+  value -> which of the lists `list_of` numbers makes it (`_Wiring.made_by` of the
+  members before any go back)."""
 
   def own(k, i):
-    return any(v in made[k] for v in graph.ops[i].inputs)
+    return any(made_by[v] == list_of[k] for v in graph.ops[i].inputs)
 
-  for keys in groups.values():
-    if len(keys) < 2:
-      continue
-    counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
-                                  if own(k, i)) for k in keys]
-    common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
-    if not common:
-      continue
-    back = {k: [i for i in edges[k]
-                if own(k, i) and blind.get(i, graph.ops[i].signature) in common] for k in keys}
-    merged = {k: sorted(members[k] + back[k]) for k in keys}  # indices grow in program order
-    fps = _same_fingerprint(graph, [merged[k] for k in keys], blind)
-    if fps is not None:
-      for k in keys:
-        members[k] = merged[k]
-        fingerprints[k] = fps
-        returned = set(back[k])
-        edges[k] = [i for i in edges[k] if i not in returned]
-  return fingerprints
+  counts = [collections.Counter(blind.get(i, graph.ops[i].signature) for i in edges[k]
+                                if own(k, i)) for k in copies]
+  common = {sig for sig, n in counts[0].items() if all(c[sig] == n for c in counts[1:])}
+  if not common:
+    return None
+  back = {k: [i for i in edges[k]
+              if own(k, i) and blind.get(i, graph.ops[i].signature) in common]
+          for k in copies}
+  merged = {k: sorted(members[k] + back[k]) for k in copies}  # indices grow in program order
+  wiring = _Wiring(arrays, [merged[k] for k in copies])
+  if len(set(wiring.keys())) > 1:
+    return None
+  for k in copies:
+    members[k] = merged[k]
+    returned = set(back[k])
+    edges[k] = [i for i in edges[k] if i not in returned]
+  return wiring
 
 
 def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
   return subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
 
 
-def _same_fingerprint(graph: Graph, op_lists: Sequence[Sequence[int]],
-                      blind: dict[int, str]) -> str | None:
-  """The fingerprint all of `op_lists` share, or None (found at the first that differs)."""
-  first = _fingerprint(graph, op_lists[0], blind)
-  for ops in op_lists[1:]:
-    if _fingerprint(graph, ops, blind) != first:
-      return None
-  return first
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
+  ends = np.cumsum(counts)
+  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                  else 0)
 
 
-def _boundary_values(graph: Graph, ops: Sequence[int], returned: set[int]
-                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(Values `ops` read from outside, values they make that are read outside or
-  `returned` by the program.)"""
-  inside = set(ops)
-  made = {v for i in ops for v in graph.ops[i].outputs}
-  reads = []
-  seen = set()
-  for i in ops:
-    for v in graph.ops[i].inputs:
-      if v not in made and v not in graph.literals and v not in seen:
-        seen.add(v)
-        reads.append(v)
-  writes = []
-  for i in ops:
-    for v in graph.ops[i].outputs:
-      if v in returned:
-        writes.append(v)
-        continue
-      for c in graph.consumers.get(v, ()):
-        if c not in inside and graph.ops[c].region == 0:
-          writes.append(v)
-          break
-  return tuple(reads), tuple(writes)
+class _Wiring:
+  """Disjoint lists of top-level ops, each in program order, and how each is wired, as
+  arrays: the lists concatenated, then their ops' inputs and outputs.
+
+  `subgraph_fingerprint` names a value made inside a list by (op position, output
+  slot), and one from outside by how many values the list had named before its first
+  use; `keys` holds the same names (those from outside counted among themselves: each
+  op's outputs count alike in two lists with the same signatures), so two lists have
+  equal keys exactly when they fingerprint alike.
+  """
+
+  def __init__(self, arrays: TopArrays, op_lists: Sequence[Sequence[int]]):
+    self._arrays = arrays
+    self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
+    num = int(self._sizes.sum())
+    self.rows = arrays.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
+                                       num)]  # positions in the top level
+    self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
+    self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
+    pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
+    starts, n_in = arrays.starts[self.rows], arrays.num_inputs[self.rows]
+    n_out = arrays.num_outputs[self.rows]
+    self._n_in, self._n_out = n_in, n_out
+    self.out_values = arrays.values[_ranges(starts + n_in, n_out)]
+    out_row = np.repeat(np.arange(num), n_out)
+    made_at = np.full(len(arrays.literal), -1, np.int64)  # value -> row making it
+    made_at[self.out_values] = out_row
+    slot = np.zeros(len(arrays.literal), np.int64)
+    slot[self.out_values] = np.arange(len(out_row)) - np.repeat(np.cumsum(n_out) - n_out,
+                                                                 n_out)
+    self.in_values = v = arrays.values[_ranges(starts, n_in)]
+    in_row = np.repeat(np.arange(num), n_in)
+    self.in_owner = in_owner = self.owner[in_row]
+    maker = made_at[v]
+    inside = (maker >= 0) & (self.owner[np.maximum(maker, 0)] == in_owner)
+    # Values from outside: numbered by first use within their list.
+    outside = np.flatnonzero(~inside)
+    _, first, again = np.unique(in_owner[outside] * len(arrays.literal) + v[outside],
+                                return_index=True, return_inverse=True)
+    is_first = np.zeros(len(outside), bool)
+    is_first[first] = True
+    self.first_use = np.zeros(len(v), bool)
+    self.first_use[outside[is_first]] = True
+    order = np.cumsum(is_first) - 1
+    per_list = np.bincount(in_owner[outside[is_first]], minlength=len(op_lists))
+    order -= (np.cumsum(per_list) - per_list)[in_owner[outside]]
+    self._ref = np.where(inside, pos[np.maximum(maker, 0)], 0)
+    self._ref[outside] = -1 - order[first][again.ravel()]
+    self._slot = np.where(inside, slot[v], 0)
+    in_ends = np.concatenate([[0], np.cumsum(n_in)])
+    self._in_bounds = in_ends[self._bounds]
+    out_ends = np.concatenate([[0], np.cumsum(n_out)])
+    self._out_bounds = out_ends[self._bounds]
+
+  def made_by(self) -> np.ndarray:
+    """Per value of the graph, the list whose ops make it, else -1."""
+    out = np.full(len(self._arrays.literal), -1, np.int64)
+    out[self.out_values] = np.repeat(self.owner, self._n_out)
+    return out
+
+  def keys(self) -> list[tuple[bytes, ...]]:
+    """Per list, its canonical wiring: equal exactly where the fingerprints are."""
+    codes = self._arrays.codes[self.rows]
+    out = []
+    for j in range(len(self._sizes)):
+      a, b = self._bounds[j], self._bounds[j + 1]
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      out.append((codes[a:b].tobytes(), self._n_in[a:b].tobytes(),
+                  self._n_out[a:b].tobytes(), self._ref[c:d].tobytes(),
+                  self._slot[c:d].tobytes()))
+    return out
+
+  def boundaries(self, returned: Sequence[int]) -> list[tuple[tuple[int, ...],
+                                                             tuple[int, ...]]]:
+    """Per list, (values it reads from outside, literals left out, in order of first
+    use; values it makes that are `returned` by the program or read by a top-level op
+    outside it, in program order)."""
+    arrays = self._arrays
+    owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
+    owner_at[self.rows] = self.owner
+    maker_owner = self.made_by()
+    reads = arrays.values[arrays.read]
+    theirs = maker_owner[reads]
+    leaves = np.zeros(len(arrays.literal), bool)
+    leaves[reads[(theirs >= 0) & (owner_at[arrays.positions[arrays.read]] != theirs)]] = True
+    leaves[np.asarray(returned, np.int64)] = True
+    takes = self.first_use & ~arrays.literal[self.in_values]
+    out = []
+    for j in range(len(self._sizes)):
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      e, f = self._out_bounds[j], self._out_bounds[j + 1]
+      made = self.out_values[e:f]
+      out.append((tuple(self.in_values[c:d][takes[c:d]].tolist()),
+                  tuple(made[leaves[made]].tolist())))
+    return out
 
 
 def _layer_name(scope: tuple[str, ...], method: str) -> str:
@@ -549,69 +675,127 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   start = time.perf_counter()
   top = graph.region_ops(0)
   blind = _offset_blind(graph)
+  arrays = top_arrays(graph, top, blind)
   stack_scopes = _Scopes()
-  found = _segment_by_names(graph, top, blind, stack_scopes) if use_names else None
+  found = (_segment_by_names(graph, top, blind, stack_scopes, arrays.index) if use_names
+           else None)
   if found is None:
-    return _finish(graph, top, segment_by_structure(graph, top, blind), "structure", start,
-                   blind, stack_scopes)
-  by_names = _finish(graph, top, found, "names", start, blind, stack_scopes)
-  if _in_layers(by_names) >= _NAMES_ENOUGH:
-    return by_names
+    chosen = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
+                    "structure", blind, arrays)
+    return _finish(graph, chosen, start, stack_scopes, arrays)
+  # The two ways are weighed on their groupings: the boundaries and names of the one
+  # left out are not worth finding.
+  by_names = _group(graph, top, found, "names", blind, arrays)
+  if by_names.in_layers >= _NAMES_ENOUGH:
+    return _finish(graph, by_names, start, stack_scopes, arrays)
   # Names that do not delimit layers (Keras numbers every op: dense_7, add_3) give
   # repeats of single ops; structure takes over where it folds clearly better.
-  by_structure = _finish(graph, top, segment_by_structure(graph, top, blind), "structure",
-                         start, blind, stack_scopes)
-  if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio:
-    return by_structure
-  return dataclasses.replace(by_names, fold_s=time.perf_counter() - start)
+  by_structure = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
+                        "structure", blind, arrays)
+  chosen = (by_structure if by_structure.fold_ratio > _TAKEOVER * by_names.fold_ratio
+            else by_names)
+  return _finish(graph, chosen, start, stack_scopes, arrays)
 
 
-def _in_layers(folded: Folded) -> float:
-  return sum(len(i.ops) for i in folded.instances) / max(folded.num_ops, 1)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Grouping:
+  """Top-level ops grouped into instances by one way of folding, before the instances'
+  boundaries and the layers' names: all that weighing names against structure reads.
+
+  Attributes:
+    method: "names" or "structure".
+    scopes: the layer scopes, then the glue scopes.
+    num_layer_scopes: how many of `scopes` are layer scopes.
+    members: scope index -> its ops, in program order (an instance's less its edge sums).
+    layer_keys: the scope indices of the instances, in program order of first op.
+    fingerprints: per instance (scope index), its fingerprint.
+    wiring: the `_Wiring` of the instances' members, in order of `layer_keys`, where
+      known already.
+    sums: the edge sums left outside the instances, in order of `layer_keys`.
+    leftovers: top-level ops in no scope.
+    num_ops: how many top-level ops.
+  """
+
+  method: str
+  scopes: tuple[tuple[str, ...], ...]
+  num_layer_scopes: int
+  members: dict[int, list[int]]
+  layer_keys: tuple[int, ...]
+  fingerprints: dict[int, str]
+  wiring: _Wiring | None
+  sums: tuple[int, ...]
+  leftovers: tuple[int, ...]
+  num_ops: int
+
+  @property
+  def in_layers(self) -> float:
+    """Share of the top-level ops in instances."""
+    return sum(len(self.members[k]) for k in self.layer_keys) / max(self.num_ops, 1)
+
+  @property
+  def fold_ratio(self) -> float:
+    """`Folded.fold_ratio` of this grouping."""
+    glue = sum(len(self.members[k]) for k in range(self.num_layer_scopes, len(self.scopes)))
+    unique: dict[str, int] = {}
+    for k in self.layer_keys:
+      unique.setdefault(self.fingerprints[k], len(self.members[k]))
+    searched = glue + len(self.sums) + len(self.leftovers) + sum(unique.values())
+    return self.num_ops / max(searched, 1)
 
 
-def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
-            blind: dict[int, str], stack_scopes: _Scopes) -> Folded:
-  """Instances, unique layers and glue from segmented scopes."""
+def _group(graph: Graph, top: Sequence[Op], found, method: str, blind: dict[int, str],
+           arrays: TopArrays) -> _Grouping:
+  """Instances and glue scopes from segmented scopes (`found`: layers, glue)."""
   layers, glue = found if found is not None else ({}, {})
 
   # Labels: layer scopes first, then glue scopes; ints index `scopes`.
   scopes = list(layers) + list(glue)
-  label: dict[int, int] = {}
-  for k, scope in enumerate(scopes):
-    for i in (layers.get(scope) or glue[scope]):
-      label.setdefault(i, k)
+  rows = np.full(len(top), -1, np.int64)  # per top-level op, its label
   if method == "names":
+    label: dict[int, int] = {}
+    for k, scope in enumerate(scopes):
+      for i in (layers.get(scope) or glue[scope]):
+        label.setdefault(i, k)
     # Under names, unnamed ops (optimizer updates, loss) join the layer whose values they
     # use. Structural runs already hold the backward and update units; the rest is glue.
     value_label = _input_labels(graph, {s: k for k, s in enumerate(layers)})
     for i, k in label.items():
       value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
-
-  members: dict[int, list[int]] = collections.defaultdict(list)
-  leftovers = []
-  for op in top:
-    if op.index in label:
-      members[label[op.index]].append(op.index)
-    else:
-      leftovers.append(op.index)
+    rows[arrays.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
+        label.values(), np.int64, len(label))
+  else:
+    for k in reversed(range(len(scopes))):  # an op in two scopes takes the first
+      ops = layers.get(scopes[k]) or glue[scopes[k]]
+      rows[arrays.row[np.fromiter(ops, np.int64, len(ops))]] = k
+  members, leftovers = _members(arrays, rows)
   layer_keys = sorted((k for k in range(len(layers)) if members[k]),
                       key=lambda k: members[k][0])
   edges = {}
   for k in layer_keys:
-    members[k], edges[k] = _split_edge_sums(graph, members[k])
-  fingerprints = _restore_balanced_sums(graph, members, edges, blind)
-  sums = [i for k in layer_keys for i in edges[k]]
+    members[k], edges[k] = _split_edge_sums(graph, members[k], arrays)
+  fingerprints, wiring = _restore_balanced_sums(graph, members, edges, blind, arrays)
+  return _Grouping(method=method, scopes=tuple(scopes), num_layer_scopes=len(layers),
+                   members=members, layer_keys=tuple(layer_keys), fingerprints=fingerprints,
+                   wiring=wiring,
+                   sums=tuple(i for k in layer_keys for i in edges[k]),
+                   leftovers=tuple(leftovers), num_ops=len(top))
 
+
+def _finish(graph: Graph, grouping: _Grouping, start: float, stack_scopes: _Scopes,
+            arrays: TopArrays) -> Folded:
+  """The `Folded` of a grouping: instances with their boundaries, named unique layers,
+  glue."""
+  scopes, members, layer_keys = grouping.scopes, grouping.members, grouping.layer_keys
   by_fp: dict[str, list[int]] = {}
   raw = []
-  returned = set(graph.outputs)
+  wiring = grouping.wiring or _Wiring(arrays, [members[k] for k in layer_keys])
+  bounds = wiring.boundaries(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]
-    fp = fingerprints[k]
+    fp = grouping.fingerprints[k]
     by_fp.setdefault(fp, []).append(pos)
-    inputs, outputs = _boundary_values(graph, ops, returned)
+    inputs, outputs = bounds[pos]
     trip = _stack_trip(graph, ops)
     raw.append((scopes[k], ops, inputs, outputs, trip, fp))
 
@@ -620,6 +804,7 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       LayerInstance(index=pos, name="/".join(scope), layer=fp_index[fp], ops=tuple(ops),
                     inputs=inputs, outputs=outputs, trip_count=trip)
       for pos, (scope, ops, inputs, outputs, trip, fp) in enumerate(raw))
+  method = grouping.method
   groups = [[raw[p][0] for p in positions] for positions in by_fp.values()]
   names = _distinct_names(graph, groups, [_layer_name(g[0], method) for g in groups],
                           stack_scopes)
@@ -630,11 +815,11 @@ def _finish(graph: Graph, top: Sequence[Op], found, method: str, start: float,
       for n, (fp, positions) in enumerate(by_fp.items()))
 
   glue_segments = [Segment(name="/".join(scopes[k]), ops=tuple(members[k]))
-                   for k in range(len(layers), len(scopes)) if members[k]]
-  if sums:
-    glue_segments.append(Segment(name="(cotangent sums)", ops=tuple(sorted(sums))))
-  if leftovers:
-    glue_segments.append(Segment(name="", ops=tuple(leftovers)))
+                   for k in range(grouping.num_layer_scopes, len(scopes)) if members[k]]
+  if grouping.sums:
+    glue_segments.append(Segment(name="(cotangent sums)", ops=tuple(sorted(grouping.sums))))
+  if grouping.leftovers:
+    glue_segments.append(Segment(name="", ops=grouping.leftovers))
 
   return Folded(graph=graph, unique_layers=unique, instances=instances,
                 glue=tuple(glue_segments), method=method, fold_s=time.perf_counter() - start)

@@ -24,7 +24,9 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import operator
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -32,8 +34,8 @@ import numpy as np
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["ACCUMULATE", "MIN_PERIOD", "contracts", "loop_trip",
-           "segment_by_structure"]
+__all__ = ["ACCUMULATE", "MIN_PERIOD", "TopArrays", "contracts", "loop_trip",
+           "segment_by_structure", "top_arrays"]
 
 # Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
 MIN_PERIOD = 3
@@ -51,8 +53,17 @@ def contracts(graph: Graph, ops: Iterable[int]) -> bool:
   """Whether any of `ops` contracts (a dot, a convolution: `Facts.contracts`) or holds
   a loop or branch. A repeated scope is a layer only if it contracts something:
   repeated layer norms or casts are cheap glue, not a sharding decision worth folding."""
-  return any(ruleslib.facts(graph.ops[i].primitive).contracts or graph.ops[i].subregions
-             for i in ops)
+  known: dict[str, bool] = {}  # per primitive: the ops hold few distinct ones
+  for i in ops:
+    op = graph.ops[i]
+    if op.subregions:
+      return True
+    c = known.get(op.primitive)
+    if c is None:
+      c = known[op.primitive] = ruleslib.facts(op.primitive).contracts
+    if c:
+      return True
+  return False
 
 
 def loop_trip(graph: Graph, op: Op) -> int:
@@ -63,6 +74,76 @@ def loop_trip(graph: Graph, op: Op) -> int:
         1 for o in graph.ops if o.region == r) >= MIN_PERIOD:
       return region.trip_count
   return 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TopArrays:
+  """The top-level ops' signatures and wiring as arrays, found once per `fold`.
+
+  Folding by structure, and both ways of folding when they compare and bound the
+  instances they found, read every op's signature and values; a Python pass over the
+  ops per reader was a good part of folding.
+
+  Attributes:
+    index: per top-level op, its `Op.index`.
+    row: per op of the graph (`Op.index`), its position in the top level, else -1.
+    codes: per top-level op, its signature (`blind`'s where given) as an int: equal
+      ints, equal signatures.
+    accumulate: per top-level op, whether it is a cotangent sum (`ACCUMULATE`).
+    values: every top-level op's inputs then outputs (literals and scalars included),
+      flattened in program order: op top[t]'s are values[starts[t]:starts[t + 1]].
+    starts: where each op's values start in `values`, then the end.
+    num_inputs: per top-level op, how many inputs it reads (its outputs follow them).
+    num_outputs: per top-level op, how many outputs it writes.
+    positions: per entry of `values`, the position in the top level of its op.
+    read: per entry of `values`, whether its op reads it (else writes it).
+    literal: per value of the graph, whether it is a literal (`Graph.literals`).
+  """
+
+  index: np.ndarray
+  row: np.ndarray
+  codes: np.ndarray
+  accumulate: np.ndarray
+  values: np.ndarray
+  starts: np.ndarray
+  num_inputs: np.ndarray
+  num_outputs: np.ndarray
+  positions: np.ndarray
+  read: np.ndarray
+  literal: np.ndarray
+
+
+def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArrays:
+  """`TopArrays` of `top` (`graph.region_ops(0)`), signatures blind where `blind` says."""
+  index = np.fromiter((op.index for op in top), np.int64, len(top))
+  row = np.full(len(graph.ops), -1, np.int64)
+  row[index] = np.arange(len(top))
+  signatures = [op.signature for op in top]
+  for i, text in blind.items():  # few ops: the slices and pads
+    if row[i] >= 0:
+      signatures[row[i]] = text
+  code = {text: k for k, text in enumerate(dict.fromkeys(signatures))}
+  codes = np.fromiter(map(code.__getitem__, signatures), np.int64, len(top))
+  primitives = [op.primitive for op in top]
+  accumulate = np.fromiter(map(ACCUMULATE.__eq__, primitives), bool, len(top))
+  # Every op's inputs then outputs, flattened in program order (C loops: per-op
+  # Python here was a good part of folding).
+  inputs = [op.inputs for op in top]
+  outputs = [op.outputs for op in top]
+  values = np.fromiter(itertools.chain.from_iterable(
+      itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
+  num_inputs = np.fromiter(map(len, inputs), np.int64, len(top))
+  num_outputs = np.fromiter(map(len, outputs), np.int64, len(top))
+  lengths = num_inputs + num_outputs
+  literal = np.zeros(len(graph.types), bool)
+  literal[np.fromiter(graph.literals, np.int64, len(graph.literals))] = True
+  return TopArrays(
+      index=index, row=row, codes=codes, accumulate=accumulate, values=values,
+      starts=np.concatenate([[0], np.cumsum(lengths)]), num_inputs=num_inputs,
+      num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
+      read=np.repeat(np.tile([True, False], len(top)),
+                     np.stack([num_inputs, num_outputs], 1).ravel()),
+      literal=literal)
 
 
 def _candidate_periods(codes: np.ndarray) -> list[int]:
@@ -192,36 +273,30 @@ class _OpFacts:
     path_hi: per such op, the greatest.
   """
 
-  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: dict[int, int]):
+  def __init__(self, graph: Graph, top: Sequence[Op], top_pos: list[int], arrays: TopArrays):
     self._top_pos = top_pos
-    keep = np.array([bool(t.shape) for t in graph.types], bool)
-    keep[np.fromiter(graph.literals, np.int64, len(graph.literals))] = False
-    # Every op's inputs then outputs, flattened in program order (C loops: per-op
-    # Python here was a good part of folding).
-    inputs = [op.inputs for op in top]
-    outputs = [op.outputs for op in top]
-    flat = np.fromiter(itertools.chain.from_iterable(
-        itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
-    lengths = np.stack([np.fromiter(map(len, inputs), np.int64, len(top)),
-                        np.fromiter(map(len, outputs), np.int64, len(top))], 1)
-    kept = keep[flat]
-    self.values = flat[kept]
-    self.positions = np.repeat(np.arange(len(top)), lengths.sum(1))[kept]
-    self.read = np.repeat(np.tile([True, False], len(top)), lengths.ravel())[kept]
+    keep = np.fromiter(map(bool, map(operator.attrgetter("shape"), graph.types)), bool,
+                       len(graph.types))
+    keep[arrays.literal] = False
+    kept = keep[arrays.values]
+    self.values = arrays.values[kept]
+    self.positions = arrays.positions[kept]
+    self.read = arrays.read[kept]
     self.starts = np.concatenate([[0], np.cumsum(np.bincount(self.positions,
                                                              minlength=len(top)))])
     self._values, self._starts = self.values.tolist(), self.starts.tolist()
     self.num_values = len(graph.types)
     # Few ops read graph inputs: they are found from the inputs' readers.
-    self.ranked = sorted({tuple(i.path.split("/")) for i in graph.inputs})
+    paths = [tuple(i.path.split("/")) for i in graph.inputs]
+    self.ranked = sorted(set(paths))
     rank = {path: r for r, path in enumerate(self.ranked)}
     lo: dict[int, int] = {}
     hi: dict[int, int] = {}
-    for inp in graph.inputs:
-      r = rank[tuple(inp.path.split("/"))]
+    for inp, path in zip(graph.inputs, paths):
+      r = rank[path]
       for c in graph.consumers.get(inp.value, ()):
-        t = top_pos.get(c)
-        if t is not None:
+        t = top_pos[c]
+        if t >= 0:
           lo[t] = min(lo.get(t, r), r)
           hi[t] = max(hi.get(t, r), r)
     self.path_pos = np.array(sorted(lo), np.int64)
@@ -235,6 +310,11 @@ class _OpFacts:
       t = self._top_pos[i]
       out.update(self._values[self._starts[t]:self._starts[t + 1]])
     return out
+
+  def touch_op(self, i: int) -> list[int]:
+    """The values op `i` reads or writes, as `touch` but listed (repeats kept)."""
+    t = self._top_pos[i]
+    return self._values[self._starts[t]:self._starts[t + 1]]
 
   def touch_range(self, begin: int, end: int) -> set[int]:
     """`touch` of top[begin:end]."""
@@ -255,9 +335,12 @@ class _Span:
     first, last = facts.starts[begin], facts.starts[end]
     pos = np.repeat(np.arange(begin, end), np.diff(facts.starts[begin:end + 1]))
     ids, values = np.unique(facts.values[first:last], return_inverse=True)
-    held = [touches.holders(v) for v in ids.tolist()]
-    counts = np.array([len(h) for h in held], np.int64)
-    holders = np.array([k for h in held for k in h], np.int64)
+    counts = touches.count[ids]
+    # Most values have one holder at most: the first; the others are listed.
+    holders = np.repeat(touches.first[ids], counts)
+    at = np.cumsum(counts) - counts
+    for j in np.flatnonzero(counts > 1).tolist():
+      holders[at[j]:at[j] + counts[j]] = touches.holders(int(ids[j]))
     # One row per (value of an op, instance holding it).
     per_value = counts[values]
     rows = np.repeat(np.arange(len(values)), per_value)
@@ -315,11 +398,21 @@ class _Span:
 class _Touches:
   """The values each instance reads or writes, indexed by value: matching a unit asks
   which instances share its values, and scanning every instance per unit would make
-  folding quadratic in depth."""
+  folding quadratic in depth.
 
-  def __init__(self):
+  Most values are touched by one instance: the index keeps the first toucher of each
+  value in a dict (filled from sets, in C) and only the later ones in lists, since a
+  list per value was most of indexing.
+  """
+
+  def __init__(self, num_values: int):
     self.sets: list[set[int]] = []
-    self._by_value: dict[int, list[int]] = collections.defaultdict(list)
+    self._first: dict[int, int] = {}
+    self._more: dict[int, list[int]] = collections.defaultdict(list)
+    # The same as arrays, for a span's values at once (`_Span`): per value, how many
+    # instances touch it and the first of them.
+    self.count = np.zeros(num_values, np.int64)
+    self.first = np.zeros(num_values, np.int64)
 
   def __len__(self) -> int:
     return len(self.sets)
@@ -331,18 +424,37 @@ class _Touches:
   def add(self, k: int, values: set[int]) -> None:
     new = values - self.sets[k]
     self.sets[k] |= new
-    for v in new:
-      self._by_value[v].append(k)
+    fresh = set(itertools.filterfalse(self._first.__contains__, new))
+    self._first.update(dict.fromkeys(fresh, k))
+    for v in new - fresh:
+      self._more[v].append(k)
+    added = np.fromiter(new, np.int64, len(new))
+    self.first[np.fromiter(fresh, np.int64, len(fresh))] = k
+    self.count[added] += 1
 
   def holders(self, v: int) -> Sequence[int]:
-    """The instances that touch value `v`."""
-    return self._by_value.get(v, ())
+    """The instances that touch value `v`, in the order they came to."""
+    k = self._first.get(v)
+    if k is None:
+      return ()
+    return [k, *self._more[v]] if v in self._more else (k,)
+
+  def holding(self, values: Iterable[int]) -> set[int]:
+    """The instances that touch any of `values`."""
+    out = set()
+    for v in values:
+      k = self._first.get(v)
+      if k is not None:
+        out.add(k)
+        if v in self._more:
+          out.update(self._more[v])
+    return out
 
   def shared(self, values: Iterable[int]) -> dict[int, int]:
     """Instance -> how many of `values` it touches (instances touching none left out)."""
     counts: dict[int, int] = {}
     for v in values:
-      for k in self._by_value.get(v, ()):
+      for k in self.holders(v):
         counts[k] = counts.get(k, 0) + 1
     return counts
 
@@ -392,7 +504,7 @@ def _split_straddling(graph: Graph, facts: _OpFacts, ops: list[int], touches: _T
     return {target: list(ops)}
   owner: dict[int, int] = {}
   for i in ops:
-    hits = set(touches.shared(facts.touch([i])))
+    hits = touches.holding(facts.touch_op(i))
     if len(hits) == 1:
       owner[i] = hits.pop()
   if len(set(owner.values())) <= 1:
@@ -441,45 +553,52 @@ def _best_phase(seq_pos: np.ndarray, span: tuple[int, int, int], facts: _OpFacts
   phases += [int(x) for x in np.flatnonzero(whole == whole.min())][:_MAX_PHASES]
   phases = sorted(set(phases))
   ops = _Span(int(at[0]), int(seq_pos[stop]), facts, touches)
-  best = None
+  scored = []
   for phase in phases:
     first = start + phase
     count = len(range(first, stop - p + 1, p))
     bounds = seq_pos[first:first + count * p + 1:p]
     # With no instances yet nothing matches.
     score, target = ops.match(bounds) if len(touches) else (0, {})
-    key = (score, ops.path_affinity(bounds), -phase)
-    if best is None or key > best[0]:
-      best = (key, bounds, target)
-  _, bounds, target = best
+    scored.append((score, phase, bounds, target))
+  # The best match wins; the path affinity (the dearer score) only breaks its ties,
+  # then the earlier phase.
+  top_score = max(s[0] for s in scored)
+  tied = [s for s in scored if s[0] == top_score]
+  if len(tied) > 1:
+    tied = [max(tied, key=lambda s: (ops.path_affinity(s[2]), -s[1]))]
+  _, _, bounds, target = tied[0]
   return bounds.tolist(), target
 
 
-def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str]):
+def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
+                         arrays: TopArrays | None = None):
   """Name -> ops of instances found by tandem repeats, matched across runs by dataflow.
 
   Cotangent sums (`add_any`) are left out of the sequence searched for repeats and
   travel with the ops before them: the first block of a backward pass starts each
   chain of sums its successors extend (a stacked parameter's gradient, a shared
   table's), so it holds one sum fewer per chain and would break the period.
+
+  `arrays`: `top_arrays(graph, top, blind)`, where the caller has it already.
   """
-  seq = [op for op in top if op.primitive != ACCUMULATE]
-  codes_map: dict[str, int] = {}
-  codes = np.array([codes_map.setdefault(blind.get(op.index, op.signature), len(codes_map))
-                    for op in seq],
-                   dtype=np.int64)
-  top_pos = {op.index: j for j, op in enumerate(top)}
-  # Where each op of `seq` sits in `top`, then the end: unit seq[j:j + p] is
-  # top[seq_pos[j]:seq_pos[j + p]], the sums after each op included.
-  seq_pos = np.array([top_pos[op.index] for op in seq] + [len(top)], np.int64)
+  if arrays is None:
+    arrays = top_arrays(graph, top, blind)
+  # The sequence searched is `top` less the sums. Where each of its ops sits in `top`,
+  # then the end: unit seq[j:j + p] is top[seq_pos[j]:seq_pos[j + p]], the sums after
+  # each op included.
+  seq_pos = np.append(np.flatnonzero(~arrays.accumulate), len(top))
+  codes = arrays.codes[seq_pos[:-1]]
+  top_pos = arrays.row.tolist()  # op index -> position in `top`, else -1
+  index = arrays.index.tolist()
 
   instances: list[list[int]] = []
   names: list[str] = []
-  touches = _Touches()
-  facts = _OpFacts(graph, top, top_pos)
+  touches = _Touches(len(graph.types))
+  facts = _OpFacts(graph, top, top_pos, arrays)
   for k, (start, stop, p) in enumerate(_tandem_repeats(codes)):
     bounds, target = _best_phase(seq_pos, (start, stop, p), facts, touches)
-    units = [[top[t].index for t in range(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
+    units = [index[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     for u, ops in enumerate(units):
       if u in target:
         for owner, part in _split_straddling(graph, facts, ops, touches,
@@ -493,10 +612,11 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str])
         names.append(f"repeat{k}[{u}]")
         touches.append(facts.touch_range(bounds[u], bounds[u + 1]))
   # Counted loops (a scanned stack): the backward scan joins the forward one it reads.
-  claimed = {i for inst in instances for i in inst}
+  loop_ops = [op for op in top if op.subregions and loop_trip(graph, op)]
+  claimed = {i for inst in instances for i in inst} if loop_ops else set()
   loops: list[int] = []
-  for op in top:
-    if op.subregions and loop_trip(graph, op) and op.index not in claimed:
+  for op in loop_ops:
+    if op.index not in claimed:
       t = facts.touch([op.index])
       _, target = _match([t], touches, among=set(loops))
       if 0 in target:

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -122,17 +123,21 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   outputs = set(graph.outputs if outputs is None else outputs)
   into_reduction = set() if reductions_duplicate else _into_reduction(graph, top, live)
   # The TPU compiler's rules read chains across instances: every op is walked there.
-  skip, mapped = (_mapped(graph, copies, live, outputs, into_reduction)
-                  if copies and top_level_program and not dot_operands else (set(), ()))
+  if copies and top_level_program and not dot_operands:
+    skip, mapped = _mapped(graph, copies, live, outputs, into_reduction)
+    top = _unskipped(top, skip)
+  else:
+    mapped = ()
   out: set[int] = set()
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
   ops, consumers = graph.ops, graph.consumers
   # `_reader_fuses` is a fact of the reader's primitive, asked of every reader of every
   # op: asked once per primitive here (not cached across calls: rules may be registered).
+  # A skipped op's primitive is its representative's, which is walked.
   takes = {p: _reader_fuses(ops[i], dot_operands)
            for p, i in {op.primitive: op.index for op in top}.items()}
   for op in top:
-    if op.index not in live or op.index in skip:
+    if op.index not in live:
       continue
     one_hot = dot_operands and _one_hot_scatter(graph, op)  # its combiner is a region
     if not (one_hot or (ruleslib.facts(op.primitive).fusible and not op.subregions)):
@@ -165,10 +170,18 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   return out
 
 
+def _unskipped(top: Sequence[Op], skip: np.ndarray) -> list[Op]:
+  """The ops of `top` that `skip` (a mask over the graph's ops) leaves, in order: one
+  array lookup, not a set lookup per op of every copy."""
+  index = np.fromiter(map(operator.attrgetter("index"), top), int, len(top))
+  return list(map(top.__getitem__, np.flatnonzero(~skip[index]).tolist()))
+
+
 def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set[int],
-            into_reduction: set[int]) -> tuple[set[int], list]:
-  """(ops `fused_values` need not walk, [(representative's values, the copies' values:
-  one row per copy)]) of the values decided as their representative's.
+            into_reduction: set[int]) -> tuple[np.ndarray, list]:
+  """(a mask over the graph's ops of those `fused_values` need not walk,
+  [(representative's values, the copies' values: one row per copy)]) of the values
+  decided as their representative's.
 
   A value is decided by its op, its live readers and whether it is an output. A copy's
   value that neither it nor the representative's reads outside its own instance is
@@ -180,7 +193,7 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
   live_mask = _mask(live, len(graph.ops))
   reduction_mask = _mask(into_reduction, len(graph.ops))
   output_mask = _mask(outputs, len(graph.types))
-  skip: set[int] = set()
+  skip = np.zeros(len(graph.ops), bool)
   mapped = []
   for c in copies:
     rep, ops = np.array(c.rep, int), np.array(c.ops, int)
@@ -196,7 +209,7 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
     made = [len(graph.ops[i].outputs) for i in c.rep]
     owner = np.repeat(np.arange(len(made)), made)
     unmapped = np.bincount(owner, weights=bad, minlength=len(made))
-    skip.update(ops[:, unmapped == 0].ravel().tolist())
+    skip[ops[:, unmapped == 0]] = True
     keep = np.flatnonzero(~bad)
     mapped.append((rep_values[keep], values[:, keep]))
   return skip, mapped

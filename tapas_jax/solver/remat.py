@@ -68,7 +68,7 @@ from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
 from tapas_jax.solver.live import Activations, Entries, loop_body_values
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
-from tapas_jax.solver.views import scan_region
+from tapas_jax.solver.views import scan_region, searched_instances
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["POLICIES", "InstanceRemat", "ScanRemat", "choose", "instance_remat",
@@ -311,9 +311,11 @@ def _instance_remats(folded: Folded, instance: int, policy: str):
 def remat_able(folded: Folded, layer: int, policy: str = "nothing_saveable") -> bool:
   """Whether `layer_remats` has anything for the layer, asked instance by instance
   until one has: the first usually answers for all (copies are alike), where listing
-  them all walks every instance."""
+  them all walks every instance. Only the instances a folded view searches are asked
+  (`searched_instances`): an interior copy is its representative's computation, so a
+  layer with nothing to recompute is not walked once per copy (flat in depth)."""
   return any(next(_instance_remats(folded, k, policy), None) is not None
-             for k in folded.unique_layers[layer].instances)
+             for k in searched_instances(folded.unique_layers[layer].instances))
 
 
 def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRemat]

@@ -78,16 +78,29 @@ def _standing_for(prog, copies, values) -> list[int]:
 
 def _feeding(prog, delivered, among: Iterable[int] | None = None) -> set[int]:
   """The feeding ops (see `UpdateReads`), looked for among `among` (default: every
-  top-level op)."""
+  top-level op). Plain loops, not a generator per op and per value: every copy's
+  update ops are asked (linen_remat at 48 layers: 5.1 -> 2.0 ms)."""
   feeding: set[int] = set()
-  consumers, live, fused = prog.graph.consumers, prog.live, prog.fused
+  consumers, live, fused, update = prog.graph.consumers, prog.live, prog.fused, prog.update
   ops = (reversed(prog.top) if among is None else
-         (prog.graph.ops[i] for i in sorted(among, key=prog.pos.__getitem__, reverse=True)))
+         map(prog.graph.ops.__getitem__, sorted(among, key=prog.pos.__getitem__, reverse=True)))
   for op in ops:
-    if op.index in live and op.outputs and op.index not in prog.update and all(
-        w in delivered or (w in fused and all(c in feeding or c not in live
-                                              for c in consumers.get(w, ())))
-        for w in op.outputs):
+    if op.index not in live or not op.outputs or op.index in update:
+      continue
+    # Feeding where each value it makes is delivered, or fused and read only by feeding
+    # (or dead) ops: a value failing that breaks out, and the op is not added.
+    for w in op.outputs:
+      if w in delivered:
+        continue
+      if w not in fused:
+        break
+      for c in consumers.get(w, ()):
+        if c not in feeding and c in live:
+          break
+      else:
+        continue
+      break
+    else:
       feeding.add(op.index)
   return feeding
 
@@ -97,32 +110,35 @@ def _may_feed(prog, delivered) -> set[int]:
   those making a fused value one of these reads. (A feeding op's outputs are each
   delivered or fused, and a fused value has a live reader, which must then be feeding
   too: walking back from the delivered values finds them all.)"""
-  g, fused = prog.graph, prog.fused
-  todo = [g.producer[w] for w in delivered if w in g.producer]
+  fused, pos, producer, ops = prog.fused, prog.pos, prog.graph.producer, prog.graph.ops
+  todo = [producer[w] for w in delivered if w in producer]
   out: set[int] = set()
   while todo:
     p = todo.pop()
-    if p in out or p not in prog.pos:
+    if p in out or p not in pos:
       continue
     out.add(p)
-    todo.extend(g.producer[v] for v in g.ops[p].inputs if v in fused)
+    for v in ops[p].inputs:  # a loop, not a generator per op
+      if v in fused:
+        todo.append(producer[v])
   return out
 
 
 def _gradients(prog, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
-  g, pos = prog.graph, prog.pos
+  pos, update = prog.pos, prog.update
+  producer, types, ops = prog.graph.producer, prog.graph.types, prog.graph.ops
   gradients: dict[int, tuple[tuple[int, ...], int]] = {}
   for w, (read, last) in delivered.items():
     todo, seen = [w], set()
     while todo:
       x = todo.pop()
-      p = g.producer.get(x)
-      if x in seen or p not in pos or not g.types[x].shape or p in prog.update:
+      p = producer.get(x)
+      if x in seen or p not in pos or not types[x].shape or p in update:
         continue  # an input (a moment scaled in the update), a literal, a scalar, or
         # made by the update itself
       seen.add(x)
       if p in feeding:
-        todo.extend(g.ops[p].inputs)
+        todo.extend(ops[p].inputs)
       else:
         dims0, last0 = gradients.get(x, (read, last))
         gradients[x] = (dims0, max(last0, last))

@@ -29,7 +29,7 @@ from tapas_jax.fold import Folded
 from tapas_jax.trace import Graph, Op
 
 __all__ = ["Copies", "Standing", "View", "folded_view", "scan_bindings", "scan_region",
-           "unfolded_view", "with_scan_bodies"]
+           "searched_instances", "unfolded_view", "with_scan_bodies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,21 @@ def unfolded_view(graph: Graph) -> View:
   return View(ops=tuple(op.index for op in graph.region_ops(0)))
 
 
+def searched_instances(instances: tuple[int, ...]) -> tuple[int, ...]:
+  """The instances of a unique layer a folded view searches as themselves: all of up
+  to three; else the first, the interior copies' representative (the middle one) and
+  the last. Every other interior copy is its representative's computation.
+
+  Example:
+    >>> searched_instances((3, 4, 5, 6, 7, 8))
+    (3, 6, 8)
+  """
+  if len(instances) <= 3:
+    return tuple(instances)
+  interior = instances[1:-1]
+  return instances[0], interior[len(interior) // 2], instances[-1]
+
+
 def folded_view(folded: Folded) -> View:
   """Glue, each unique layer's first and last instance, and its middle instance
   standing for all the interior copies.
@@ -200,14 +215,13 @@ def folded_view(folded: Folded) -> View:
   made = lambda inst: tuple(itertools.chain.from_iterable(  # noqa: E731
       map(outputs, map(g.ops.__getitem__, inst.ops))))
   for u in folded.unique_layers:
-    members = [folded.instances[k] for k in u.instances]
-    ops.update(i for inst in (members if len(members) <= 3 else (members[0], members[-1]))
-               for i in inst.ops)
-    if len(members) <= 3:
+    searched = searched_instances(u.instances)
+    for k in searched:
+      ops.update(folded.instances[k].ops)
+    if len(u.instances) <= 3:
       continue
-    interior = members[1:-1]
-    rep = interior[len(interior) // 2]
-    ops.update(rep.ops)
+    interior = [folded.instances[k] for k in u.instances[1:-1]]
+    rep = folded.instances[searched[1]]
     for i in rep.ops:
       weight[i] = len(interior)
     params = g.input_path

@@ -47,8 +47,8 @@ import numpy as np
 
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
-from tapas_jax.repeats import (TopArrays, contracts, loop_trip, segment_by_structure,
-                               top_arrays)
+from tapas_jax.repeats import (TopArrays, Wiring, contracts, loop_trip,
+                               segment_by_structure, top_arrays)
 from tapas_jax.trace import Graph, Op, subgraph_fingerprint
 
 __all__ = ["Folded", "LayerInstance", "Segment", "UniqueLayer", "fold"]
@@ -439,7 +439,7 @@ def _split_edge_sums(graph: Graph, ops: list[int], arrays: TopArrays
 
 def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
                            edges: dict[int, list[int]], blind: dict[int, str],
-                           arrays: TopArrays) -> tuple[dict[int, str], _Wiring | None]:
+                           arrays: TopArrays) -> tuple[dict[int, str], Wiring | None]:
   """Gives back to each instance the edge sums every copy of its layer has alike.
 
   `_split_edge_sums` peels every sum that reads from outside, also those each copy
@@ -451,13 +451,13 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
 
   Returns:
     Each instance's fingerprint, of its members as they end up (the caller's grouping
-    into unique layers). Copies are told apart by `_Wiring.keys`, and each distinct
+    into unique layers). Copies are told apart by `Wiring.keys`, and each distinct
     one fingerprinted once: a fingerprint per copy, before and after the sums go
-    back, was most of this pass. Then the `_Wiring` of the instances' members as they
+    back, was most of this pass. Then the `Wiring` of the instances' members as they
     end up, in the order of `edges`, where this pass built it (no sums went back, or
     all instances are copies of one layer), else None.
   """
-  wiring = _Wiring(arrays, [members[k] for k in edges])
+  wiring = Wiring(arrays, [members[k] for k in edges])
   keys = dict(zip(edges, wiring.keys()))
   groups = collections.defaultdict(list)
   for k in edges:
@@ -480,10 +480,10 @@ def _restore_balanced_sums(graph: Graph, members: dict[int, list[int]],
 def _give_back_sums(graph: Graph, members: dict[int, list[int]],
                     edges: dict[int, list[int]], copies: list[int],
                     blind: dict[int, str], arrays: TopArrays, made_by: list[int],
-                    list_of: dict[int, int]) -> _Wiring | None:
+                    list_of: dict[int, int]) -> Wiring | None:
   """`_restore_balanced_sums` for the `copies` of one layer (they fingerprint alike):
-  the `_Wiring` of their members once sums went back, None if none did. `made_by`:
-  value -> which of the lists `list_of` numbers makes it (`_Wiring.made_by` of the
+  the `Wiring` of their members once sums went back, None if none did. `made_by`:
+  value -> which of the lists `list_of` numbers makes it (`Wiring.made_by` of the
   members before any go back)."""
 
   def own(k, i):
@@ -498,7 +498,7 @@ def _give_back_sums(graph: Graph, members: dict[int, list[int]],
               if own(k, i) and blind.get(i, graph.ops[i].signature) in common]
           for k in copies}
   merged = {k: sorted(members[k] + back[k]) for k in copies}  # indices grow in program order
-  wiring = _Wiring(arrays, [merged[k] for k in copies])
+  wiring = Wiring(arrays, [merged[k] for k in copies])
   if len(set(wiring.keys())) > 1:
     return None
   for k in copies:
@@ -510,110 +510,6 @@ def _give_back_sums(graph: Graph, members: dict[int, list[int]],
 
 def _fingerprint(graph: Graph, ops: Sequence[int], blind: dict[int, str]) -> str:
   return subgraph_fingerprint([graph.ops[i] for i in ops], signature=blind)
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
-  ends = np.cumsum(counts)
-  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                  else 0)
-
-
-class _Wiring:
-  """Disjoint lists of top-level ops, each in program order, and how each is wired, as
-  arrays: the lists concatenated, then their ops' inputs and outputs.
-
-  `subgraph_fingerprint` names a value made inside a list by (op position, output
-  slot), and one from outside by how many values the list had named before its first
-  use; `keys` holds the same names (those from outside counted among themselves: each
-  op's outputs count alike in two lists with the same signatures), so two lists have
-  equal keys exactly when they fingerprint alike.
-  """
-
-  def __init__(self, arrays: TopArrays, op_lists: Sequence[Sequence[int]]):
-    self._arrays = arrays
-    self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
-    num = int(self._sizes.sum())
-    self.rows = arrays.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
-                                       num)]  # positions in the top level
-    self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
-    self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
-    pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
-    starts, n_in = arrays.starts[self.rows], arrays.num_inputs[self.rows]
-    n_out = arrays.num_outputs[self.rows]
-    self._n_in, self._n_out = n_in, n_out
-    self.out_values = arrays.values[_ranges(starts + n_in, n_out)]
-    out_row = np.repeat(np.arange(num), n_out)
-    made_at = np.full(len(arrays.literal), -1, np.int64)  # value -> row making it
-    made_at[self.out_values] = out_row
-    slot = np.zeros(len(arrays.literal), np.int64)
-    slot[self.out_values] = np.arange(len(out_row)) - np.repeat(np.cumsum(n_out) - n_out,
-                                                                 n_out)
-    self.in_values = v = arrays.values[_ranges(starts, n_in)]
-    in_row = np.repeat(np.arange(num), n_in)
-    self.in_owner = in_owner = self.owner[in_row]
-    maker = made_at[v]
-    inside = (maker >= 0) & (self.owner[np.maximum(maker, 0)] == in_owner)
-    # Values from outside: numbered by first use within their list.
-    outside = np.flatnonzero(~inside)
-    _, first, again = np.unique(in_owner[outside] * len(arrays.literal) + v[outside],
-                                return_index=True, return_inverse=True)
-    is_first = np.zeros(len(outside), bool)
-    is_first[first] = True
-    self.first_use = np.zeros(len(v), bool)
-    self.first_use[outside[is_first]] = True
-    order = np.cumsum(is_first) - 1
-    per_list = np.bincount(in_owner[outside[is_first]], minlength=len(op_lists))
-    order -= (np.cumsum(per_list) - per_list)[in_owner[outside]]
-    self._ref = np.where(inside, pos[np.maximum(maker, 0)], 0)
-    self._ref[outside] = -1 - order[first][again.ravel()]
-    self._slot = np.where(inside, slot[v], 0)
-    in_ends = np.concatenate([[0], np.cumsum(n_in)])
-    self._in_bounds = in_ends[self._bounds]
-    out_ends = np.concatenate([[0], np.cumsum(n_out)])
-    self._out_bounds = out_ends[self._bounds]
-
-  def made_by(self) -> np.ndarray:
-    """Per value of the graph, the list whose ops make it, else -1."""
-    out = np.full(len(self._arrays.literal), -1, np.int64)
-    out[self.out_values] = np.repeat(self.owner, self._n_out)
-    return out
-
-  def keys(self) -> list[tuple[bytes, ...]]:
-    """Per list, its canonical wiring: equal exactly where the fingerprints are."""
-    codes = self._arrays.codes[self.rows]
-    out = []
-    for j in range(len(self._sizes)):
-      a, b = self._bounds[j], self._bounds[j + 1]
-      c, d = self._in_bounds[j], self._in_bounds[j + 1]
-      out.append((codes[a:b].tobytes(), self._n_in[a:b].tobytes(),
-                  self._n_out[a:b].tobytes(), self._ref[c:d].tobytes(),
-                  self._slot[c:d].tobytes()))
-    return out
-
-  def boundaries(self, returned: Sequence[int]) -> list[tuple[tuple[int, ...],
-                                                             tuple[int, ...]]]:
-    """Per list, (values it reads from outside, literals left out, in order of first
-    use; values it makes that are `returned` by the program or read by a top-level op
-    outside it, in program order)."""
-    arrays = self._arrays
-    owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
-    owner_at[self.rows] = self.owner
-    maker_owner = self.made_by()
-    reads = arrays.values[arrays.read]
-    theirs = maker_owner[reads]
-    leaves = np.zeros(len(arrays.literal), bool)
-    leaves[reads[(theirs >= 0) & (owner_at[arrays.positions[arrays.read]] != theirs)]] = True
-    leaves[np.asarray(returned, np.int64)] = True
-    takes = self.first_use & ~arrays.literal[self.in_values]
-    out = []
-    for j in range(len(self._sizes)):
-      c, d = self._in_bounds[j], self._in_bounds[j + 1]
-      e, f = self._out_bounds[j], self._out_bounds[j + 1]
-      made = self.out_values[e:f]
-      out.append((tuple(self.in_values[c:d][takes[c:d]].tolist()),
-                  tuple(made[leaves[made]].tolist())))
-    return out
 
 
 def _layer_name(scope: tuple[str, ...], method: str) -> str:
@@ -709,7 +605,7 @@ class _Grouping:
     members: scope index -> its ops, in program order (an instance's less its edge sums).
     layer_keys: the scope indices of the instances, in program order of first op.
     fingerprints: per instance (scope index), its fingerprint.
-    wiring: the `_Wiring` of the instances' members, in order of `layer_keys`, where
+    wiring: the `Wiring` of the instances' members, in order of `layer_keys`, where
       known already.
     sums: the edge sums left outside the instances, in order of `layer_keys`.
     leftovers: top-level ops in no scope.
@@ -722,7 +618,7 @@ class _Grouping:
   members: dict[int, list[int]]
   layer_keys: tuple[int, ...]
   fingerprints: dict[int, str]
-  wiring: _Wiring | None
+  wiring: Wiring | None
   sums: tuple[int, ...]
   leftovers: tuple[int, ...]
   num_ops: int
@@ -789,7 +685,7 @@ def _finish(graph: Graph, grouping: _Grouping, start: float, stack_scopes: _Scop
   scopes, members, layer_keys = grouping.scopes, grouping.members, grouping.layer_keys
   by_fp: dict[str, list[int]] = {}
   raw = []
-  wiring = grouping.wiring or _Wiring(arrays, [members[k] for k in layer_keys])
+  wiring = grouping.wiring or Wiring(arrays, [members[k] for k in layer_keys])
   bounds = wiring.boundaries(graph.outputs)
   for pos, k in enumerate(layer_keys):
     ops = members[k]

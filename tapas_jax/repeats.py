@@ -34,7 +34,7 @@ import numpy as np
 from tapas_jax import rules as ruleslib
 from tapas_jax.trace import Graph, Op
 
-__all__ = ["ACCUMULATE", "MIN_PERIOD", "TopArrays", "contracts", "loop_trip",
+__all__ = ["ACCUMULATE", "MIN_PERIOD", "TopArrays", "Wiring", "contracts", "loop_trip",
            "segment_by_structure", "top_arrays"]
 
 # Units shorter than this many ops are noise (e.g. a run of `add`s), not layers.
@@ -144,6 +144,110 @@ def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArr
       read=np.repeat(np.tile([True, False], len(top)),
                      np.stack([num_inputs, num_outputs], 1).ravel()),
       literal=literal)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
+  ends = np.cumsum(counts)
+  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                  else 0)
+
+
+class Wiring:
+  """Disjoint lists of top-level ops, each in program order, and how each is wired, as
+  arrays: the lists concatenated, then their ops' inputs and outputs.
+
+  `subgraph_fingerprint` names a value made inside a list by (op position, output
+  slot), and one from outside by how many values the list had named before its first
+  use; `keys` holds the same names (those from outside counted among themselves: each
+  op's outputs count alike in two lists with the same signatures), so two lists have
+  equal keys exactly when they fingerprint alike.
+  """
+
+  def __init__(self, arrays: TopArrays, op_lists: Sequence[Sequence[int]]):
+    self._arrays = arrays
+    self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
+    num = int(self._sizes.sum())
+    self.rows = arrays.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
+                                       num)]  # positions in the top level
+    self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
+    self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
+    pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
+    starts, n_in = arrays.starts[self.rows], arrays.num_inputs[self.rows]
+    n_out = arrays.num_outputs[self.rows]
+    self._n_in, self._n_out = n_in, n_out
+    self.out_values = arrays.values[_ranges(starts + n_in, n_out)]
+    out_row = np.repeat(np.arange(num), n_out)
+    made_at = np.full(len(arrays.literal), -1, np.int64)  # value -> row making it
+    made_at[self.out_values] = out_row
+    slot = np.zeros(len(arrays.literal), np.int64)
+    slot[self.out_values] = np.arange(len(out_row)) - np.repeat(np.cumsum(n_out) - n_out,
+                                                                 n_out)
+    self.in_values = v = arrays.values[_ranges(starts, n_in)]
+    in_row = np.repeat(np.arange(num), n_in)
+    self.in_owner = in_owner = self.owner[in_row]
+    maker = made_at[v]
+    inside = (maker >= 0) & (self.owner[np.maximum(maker, 0)] == in_owner)
+    # Values from outside: numbered by first use within their list.
+    outside = np.flatnonzero(~inside)
+    _, first, again = np.unique(in_owner[outside] * len(arrays.literal) + v[outside],
+                                return_index=True, return_inverse=True)
+    is_first = np.zeros(len(outside), bool)
+    is_first[first] = True
+    self.first_use = np.zeros(len(v), bool)
+    self.first_use[outside[is_first]] = True
+    order = np.cumsum(is_first) - 1
+    per_list = np.bincount(in_owner[outside[is_first]], minlength=len(op_lists))
+    order -= (np.cumsum(per_list) - per_list)[in_owner[outside]]
+    self._ref = np.where(inside, pos[np.maximum(maker, 0)], 0)
+    self._ref[outside] = -1 - order[first][again.ravel()]
+    self._slot = np.where(inside, slot[v], 0)
+    in_ends = np.concatenate([[0], np.cumsum(n_in)])
+    self._in_bounds = in_ends[self._bounds]
+    out_ends = np.concatenate([[0], np.cumsum(n_out)])
+    self._out_bounds = out_ends[self._bounds]
+
+  def made_by(self) -> np.ndarray:
+    """Per value of the graph, the list whose ops make it, else -1."""
+    out = np.full(len(self._arrays.literal), -1, np.int64)
+    out[self.out_values] = np.repeat(self.owner, self._n_out)
+    return out
+
+  def keys(self) -> list[tuple[bytes, ...]]:
+    """Per list, its canonical wiring: equal exactly where the fingerprints are."""
+    codes = self._arrays.codes[self.rows]
+    out = []
+    for j in range(len(self._sizes)):
+      a, b = self._bounds[j], self._bounds[j + 1]
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      out.append((codes[a:b].tobytes(), self._n_in[a:b].tobytes(),
+                  self._n_out[a:b].tobytes(), self._ref[c:d].tobytes(),
+                  self._slot[c:d].tobytes()))
+    return out
+
+  def boundaries(self, returned: Sequence[int]) -> list[tuple[tuple[int, ...],
+                                                             tuple[int, ...]]]:
+    """Per list, (values it reads from outside, literals left out, in order of first
+    use; values it makes that are `returned` by the program or read by a top-level op
+    outside it, in program order)."""
+    arrays = self._arrays
+    owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
+    owner_at[self.rows] = self.owner
+    maker_owner = self.made_by()
+    reads = arrays.values[arrays.read]
+    theirs = maker_owner[reads]
+    leaves = np.zeros(len(arrays.literal), bool)
+    leaves[reads[(theirs >= 0) & (owner_at[arrays.positions[arrays.read]] != theirs)]] = True
+    leaves[np.asarray(returned, np.int64)] = True
+    takes = self.first_use & ~arrays.literal[self.in_values]
+    out = []
+    for j in range(len(self._sizes)):
+      c, d = self._in_bounds[j], self._in_bounds[j + 1]
+      e, f = self._out_bounds[j], self._out_bounds[j + 1]
+      made = self.out_values[e:f]
+      out.append((tuple(self.in_values[c:d][takes[c:d]].tolist()),
+                  tuple(made[leaves[made]].tolist())))
+    return out
 
 
 def _candidate_periods(codes: np.ndarray) -> list[int]:

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 MODULES = ["tapas_jax", "tapas_jax.errors", "tapas_jax._jax_internals", "tapas_jax.trace",
-           "tapas_jax.fold", "tapas_jax.cost", "tapas_jax.profiles", "tapas_jax.op_rule",
+           "tapas_jax.repeats", "tapas_jax.fold", "tapas_jax.cost", "tapas_jax.profiles",
+           "tapas_jax.op_rule",
            "tapas_jax.rules", "tapas_jax.mesh", "tapas_jax.api", "tapas_jax.plan",
            "tapas_jax.solver.views", "tapas_jax.solver.problem", "tapas_jax.solver.sequence",
            "tapas_jax.solver.eliminate",

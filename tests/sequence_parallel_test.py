@@ -235,8 +235,8 @@ def test_a_sum_of_partial_gradients_is_cut_after_the_sum_where_the_compiler_adds
 def test_the_small_vits_searched_plan_sends_what_the_tpu_compiler_sends(libtpu):
   # ViT at its small config (real widths, two layers), searched for v5p:2x2x1, batch
   # 8, against the collectives of the TPU compiler's HLO (libtpu 0.0.42.1): predicted
-  # 70.4 MB for 56.2 while each partial input gradient of q, k and v was cut apart
-  # (1.25), 58.06 for 58.06 with the cut after their sum.
+  # 70406 KiB per device for 56222 while each partial input gradient of q, k and v was
+  # cut apart (1.25); 58062 for 58062 with the cut after their sum.
   del libtpu
   config, trimmed = models.SMALL["vit"]
   m = models.get_model("vit", config, **trimmed)

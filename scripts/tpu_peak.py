@@ -1,0 +1,138 @@
+"""The TPU compiler's HBM peak, buffer by buffer, rebuilt from its dumps (no TPU needed).
+
+`memory_analysis()` gives one peak figure; this script says what is in it. It compiles
+a zoo model's plan (searched, or a baseline) for a TPU topology through libtpu with
+`xla_dump_to`, then rebuilds the peak from the dumps: each buffer's live range from
+`*live-range.txt` ("BufferLiveRange"), its allocation, offset, padded size and memory
+space from `*buffer-assignment.txt`. Buffers in memory space S(1) (on-chip copies the
+memory-space assignment makes) are left out, and buffers at one offset of one
+allocation whose live ranges meet are one buffer (an in-place op's result, such as an
+all-reduce's, shares its operand's); the peak with every buffer counted on its own is
+printed beside it, the two bracketing `peak_memory_in_bytes` on the programs read so
+far. Prints the largest buffers live at the peak.
+
+  ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu python scripts/tpu_peak.py \
+      --family=vit --layout=fsdp                  # the small ViT, FSDP, v5p:2x2x1
+  python scripts/tpu_peak.py --read=DIR           # dumps already written there
+
+(BENCHMARKS.md, "Reading the compiler's peak from its dumps".)
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import tempfile
+import warnings
+
+import numpy as np
+
+_VALUE = re.compile(r"value: <\d+ (\S+?)(?: @\d+)?> \(size=(\d+),offset=(\d+)\): (\S+)")
+_RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)", re.M)
+
+
+def _buffers(folder: str) -> list[tuple[int, int, int, str, tuple[int, int]]]:
+  """(start, end, padded bytes, name, (allocation, offset)) of every HBM buffer."""
+  def one(pattern):
+    return open(glob.glob(os.path.join(folder, pattern))[0]).read()
+  ranges = one("*after_optimizations-live-range.txt")
+  assignment = one("*after_optimizations-buffer-assignment.txt")
+  where: dict[str, tuple[int, tuple[int, int], str]] = {}
+  allocation = -1
+  for line in assignment.splitlines():
+    if line.startswith("allocation "):
+      allocation = int(line.split()[1].rstrip(":"))
+    elif (m := _VALUE.search(line)):
+      name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"
+      where[name] = (int(m.group(2)), (allocation, int(m.group(3))), m.group(4))
+  section = ranges[ranges.index("BufferLiveRange:"):ranges.index("Live ranges at")]
+  out = []
+  for m in _RANGE.finditer(section):
+    if m.group(1) in where:
+      size, key, shape = where[m.group(1)]
+      if "S(" not in shape.rsplit(":", 1)[-1]:  # memory space 0: HBM
+        out.append((int(m.group(2)), int(m.group(3)), size, m.group(1), key))
+  return out
+
+
+def peak(folder: str, top: int = 15, in_place: bool = True
+         ) -> tuple[float, int, list[tuple[int, str, int, int]]]:
+  """(peak bytes, program point, the `top` largest buffers live there). `in_place`:
+  buffers at one offset whose live ranges meet count once; else each on its own."""
+  by_key = collections.defaultdict(list)
+  for start, end, size, name, key in _buffers(folder):
+    by_key[key if in_place else (name,)].append((start, end, size, name))
+  merged = []  # one buffer per run of meeting live ranges at one offset
+  for spans in by_key.values():
+    spans.sort()
+    cur = list(spans[0])
+    for start, end, size, name in spans[1:]:
+      if start <= cur[1]:  # meets the previous one: the same memory, reused in place
+        cur[1], cur[2] = max(cur[1], end), max(cur[2], size)
+      else:
+        merged.append(tuple(cur))
+        cur = [start, end, size, name]
+    merged.append(tuple(cur))
+  length = max(end for _, end, _, _ in merged) + 2
+  delta = np.zeros(length)
+  for start, end, size, _ in merged:
+    delta[start] += size
+    delta[end + 1] -= size
+  live = np.cumsum(delta)
+  at = int(np.argmax(live))
+  here = sorted(((size, name, start, end) for start, end, size, name in merged
+                 if start <= at <= end), reverse=True)
+  return float(live[at]), at, here[:top]
+
+
+def _compile(a) -> str:
+  import jax  # noqa: PLC0415 - only when compiling
+
+  import tapas_jax as tapas  # noqa: PLC0415
+  from tapas_jax import baselines, models  # noqa: PLC0415
+  from tapas_jax.verify import tpu_mesh  # noqa: PLC0415
+
+  config, trimmed = models.SMALL[a.family] if a.config == "small" else (a.config, {})
+  m = models.get_model(a.family, config, **trimmed)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
+  axes = dict((k, int(v)) for k, v in (kv.split(":") for kv in a.mesh.split(",")))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    plan = (tapas.search(*args, mesh=axes, device=a.device) if a.layout == "tapas" else
+            baselines.baseline(a.layout, *args, mesh=axes, family=a.family, device=a.device))
+  step = tapas.apply(plan, args[0], mesh=tpu_mesh(a.topology, plan.mesh_axes),
+                     donate_argnums=0)
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    args[1:])
+  folder = tempfile.mkdtemp(prefix="tpu_peak_")
+  compiled = step.lower(*abstract).compile(compiler_options={"xla_dump_to": folder})
+  print(f"{a.family} ({a.config}) {a.layout} on {a.topology}, batch {a.batch}: predicted "
+        f"{plan.stats.predicted_memory_bytes / 2**20:.2f} MiB, peak_memory_in_bytes "
+        f"{compiled.memory_analysis().peak_memory_in_bytes / 2**20:.2f} MiB; dumps in {folder}")
+  return folder
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--family", default="vit")
+  parser.add_argument("--config", default="small", help="'small' (models.SMALL) or a config")
+  parser.add_argument("--layout", default="tapas", help="tapas, or a baseline: fsdp, ...")
+  parser.add_argument("--topology", default="v5p:2x2x1")
+  parser.add_argument("--mesh", default="data:2,model:2")
+  parser.add_argument("--device", default="tpu-v5p")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--top", type=int, default=15)
+  parser.add_argument("--read", default="", help="a folder of dumps: read, compile nothing")
+  a = parser.parse_args()
+  folder = a.read or _compile(a)
+  apart, at_apart, _ = peak(folder, a.top, in_place=False)
+  total, at, here = peak(folder, a.top)
+  print(f"HBM peak rebuilt from the dumps: {total / 2**20:.2f} MiB at program point {at} "
+        f"(every buffer on its own: {apart / 2**20:.2f} MiB at {at_apart})")
+  for size, name, start, end in here:
+    print(f"  {size / 2**20:9.2f} MiB  {name}  live {start}-{end}")
+
+
+if __name__ == "__main__":
+  main()

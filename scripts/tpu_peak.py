@@ -9,7 +9,8 @@ memory-space assignment makes) are left out, and buffers at one offset of one
 allocation whose live ranges meet are one buffer (an in-place op's result, such as an
 all-reduce's, shares its operand's); the peak with every buffer counted on its own is
 printed beside it, the two bracketing `peak_memory_in_bytes` on the programs read so
-far. Prints the largest buffers live at the peak.
+far. Prints the largest buffers live at the peak, and the bytes the compiler keeps on
+chip (S(1)) there and at most.
 
   ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu python scripts/tpu_peak.py \
       --family=vit --layout=fsdp                  # the small ViT, FSDP, v5p:2x2x1
@@ -32,8 +33,10 @@ _VALUE = re.compile(r"value: <\d+ (\S+?)(?: @\d+)?> \(size=(\d+),offset=(\d+)\):
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)", re.M)
 
 
-def _buffers(folder: str) -> list[tuple[int, int, int, str, tuple[int, int]]]:
-  """(start, end, padded bytes, name, (allocation, offset)) of every HBM buffer."""
+def _buffers(folder: str, on_chip: bool = False
+             ) -> list[tuple[int, int, int, str, tuple[int, int]]]:
+  """(start, end, padded bytes, name, (allocation, offset)) of every HBM buffer, or with
+  `on_chip` of every buffer in memory space S(1) (VMEM)."""
   def one(pattern):
     return open(glob.glob(os.path.join(folder, pattern))[0]).read()
   ranges = one("*after_optimizations-live-range.txt")
@@ -51,7 +54,8 @@ def _buffers(folder: str) -> list[tuple[int, int, int, str, tuple[int, int]]]:
   for m in _RANGE.finditer(section):
     if m.group(1) in where:
       size, key, shape = where[m.group(1)]
-      if "S(" not in shape.rsplit(":", 1)[-1]:  # memory space 0: HBM
+      space = shape.rsplit(":", 1)[-1]
+      if ("S(1)" in space) if on_chip else ("S(" not in space):  # memory space 0: HBM
         out.append((int(m.group(2)), int(m.group(3)), size, m.group(1), key))
   return out
 
@@ -84,6 +88,16 @@ def peak(folder: str, top: int = 15, in_place: bool = True
   here = sorted(((size, name, start, end) for start, end, size, name in merged
                  if start <= at <= end), reverse=True)
   return float(live[at]), at, here[:top]
+
+
+def on_chip(folder: str) -> np.ndarray:
+  """Bytes in memory space S(1) (VMEM) live at each program point: buffers the
+  memory-space assignment keeps on chip, which `peak_memory_in_bytes` leaves out."""
+  spans = _buffers(folder, on_chip=True)
+  live = np.zeros(max((end for _, end, *_ in spans), default=0) + 2)
+  for start, end, size, *_ in spans:
+    live[start:end + 1] += size
+  return live
 
 
 def _compile(a) -> str:
@@ -130,6 +144,10 @@ def main():
   total, at, here = peak(folder, a.top)
   print(f"HBM peak rebuilt from the dumps: {total / 2**20:.2f} MiB at program point {at} "
         f"(every buffer on its own: {apart / 2**20:.2f} MiB at {at_apart})")
+  chip = on_chip(folder)
+  print(f"on chip (S(1), not in the HBM peak): "
+        f"{(chip[at] if at < len(chip) else 0.0) / 2**20:.2f} MiB at point {at}, "
+        f"at most {chip.max() / 2**20:.2f} MiB (point {int(chip.argmax())})")
   for size, name, start, end in here:
     print(f"  {size / 2**20:9.2f} MiB  {name}  live {start}-{end}")
 

@@ -78,31 +78,33 @@ def _standing_for(prog, copies, values) -> list[int]:
 
 def _feeding(prog, delivered, among: Iterable[int] | None = None) -> set[int]:
   """The feeding ops (see `UpdateReads`), looked for among `among` (default: every
-  top-level op). Plain loops, not a generator per op and per value: every copy's
-  update ops are asked (linen_remat at 48 layers: 5.1 -> 2.0 ms)."""
+  top-level op), from the last back: an op is feeding where each value it makes feeds
+  the update (`_feeds`), which asks of its readers only, decided before it."""
   feeding: set[int] = set()
-  consumers, live, fused, update = prog.graph.consumers, prog.live, prog.fused, prog.update
+  live, update = prog.live, prog.update
   ops = (reversed(prog.top) if among is None else
          map(prog.graph.ops.__getitem__, sorted(among, key=prog.pos.__getitem__, reverse=True)))
   for op in ops:
-    if op.index not in live or not op.outputs or op.index in update:
-      continue
-    # Feeding where each value it makes is delivered, or fused and read only by feeding
-    # (or dead) ops: a value failing that breaks out, and the op is not added.
-    for w in op.outputs:
-      if w in delivered:
-        continue
-      if w not in fused:
-        break
-      for c in consumers.get(w, ()):
-        if c not in feeding and c in live:
+    if op.index in live and op.outputs and op.index not in update:
+      for w in op.outputs:  # a loop, not a generator per op (every copy's ops are asked)
+        if not _feeds(prog, delivered, feeding, w):
           break
       else:
-        continue
-      break
-    else:
-      feeding.add(op.index)
+        feeding.add(op.index)
   return feeding
+
+
+def _feeds(prog, delivered, feeding: set[int], w: int) -> bool:
+  """Whether value `w` feeds the update: delivered to it, or fused and read only by
+  feeding (or dead) ops."""
+  if w in delivered:
+    return True
+  if w not in prog.fused:
+    return False
+  for c in prog.graph.consumers.get(w, ()):
+    if c not in feeding and c in prog.live:
+      return False
+  return True
 
 
 def _may_feed(prog, delivered) -> set[int]:

@@ -101,11 +101,8 @@ def on_chip(folder: str) -> np.ndarray:
 
 
 def _compile(a) -> str:
-  import jax  # noqa: PLC0415 - only when compiling
-
-  import tapas_jax as tapas  # noqa: PLC0415
+  import tapas_jax as tapas  # noqa: PLC0415 - only when compiling
   from tapas_jax import baselines, models  # noqa: PLC0415
-  from tapas_jax.verify import tpu_mesh  # noqa: PLC0415
 
   config, trimmed = models.SMALL[a.family] if a.config == "small" else (a.config, {})
   m = models.get_model(a.family, config, **trimmed)
@@ -115,15 +112,12 @@ def _compile(a) -> str:
     warnings.simplefilter("ignore")
     plan = (tapas.search(*args, mesh=axes, device=a.device) if a.layout == "tapas" else
             baselines.baseline(a.layout, *args, mesh=axes, family=a.family, device=a.device))
-  step = tapas.apply(plan, args[0], mesh=tpu_mesh(a.topology, plan.mesh_axes),
-                     donate_argnums=0)
-  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                    args[1:])
   folder = tempfile.mkdtemp(prefix="tpu_peak_")
-  compiled = step.lower(*abstract).compile(compiler_options={"xla_dump_to": folder})
+  got = tapas.verify(plan, *args, topology=a.topology, donate_argnums=0,
+                     compiler_options={"xla_dump_to": folder})
   print(f"{a.family} ({a.config}) {a.layout} on {a.topology}, batch {a.batch}: predicted "
         f"{plan.stats.predicted_memory_bytes / 2**20:.2f} MiB, peak_memory_in_bytes "
-        f"{compiled.memory_analysis().peak_memory_in_bytes / 2**20:.2f} MiB; dumps in {folder}")
+        f"{got.live_peak_bytes / 2**20:.2f} MiB; dumps in {folder}")
   return folder
 
 

@@ -341,7 +341,8 @@ def _abstract(x):
 
 def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str | None = None,
            donate_argnums: int | Sequence[int] = (), kwargs: Mapping[str, Any] | None = None,
-           hbm_bytes: float | str | None = None) -> Verified:
+           hbm_bytes: float | str | None = None,
+           compiler_options: Mapping[str, Any] | None = None) -> Verified:
   """Compiles `tapas.apply(plan, fn)` for `topology` (or the local devices) and reads
   the compiler's memory, collectives and FLOPs next to the plan's predictions.
 
@@ -356,6 +357,9 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
     kwargs: the step's keyword arguments.
     hbm_bytes: per-device memory to judge the fit against instead of the chip's (bytes
       or "2MiB"): to ask whether a plan fits a smaller share of the chip.
+    compiler_options: passed to `compile()` as they are (XLA's debug options, say
+      {"xla_dump_to": folder} for the compiler's buffer assignment, which
+      `scripts/tpu_peak.py` reads).
 
   Returns:
     A `Verified` record; `record.fits` is False, with `record.missing_bytes`, where the
@@ -391,7 +395,8 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
               predicted_comm_bytes=plan.stats.predicted_comm_bytes)
   start = time.perf_counter()
   try:
-    compiled = step.lower(*abstract[0], **abstract[1]).compile()
+    compiled = step.lower(*abstract[0], **abstract[1]).compile(
+        compiler_options=dict(compiler_options or {}))
   except Exception as e:  # noqa: BLE001 - the compiler's errors are runtime errors
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise

@@ -65,6 +65,15 @@ def test_verify_judges_the_fit_against_a_given_memory():
   assert "DOES NOT FIT" in record.summary() and "KiB short" in record.summary()
 
 
+def test_verify_passes_compiler_options_to_the_compiler(tmp_path):
+  # XLA's dump option, as scripts/tpu_peak.py uses it: the compiler writes its buffer
+  # assignment where it is told.
+  plan = tapas.search(_loss, *ARGS, mesh={"data": 8}, device="cpu")
+  record = tapas.verify(plan, _loss, *ARGS, compiler_options={"xla_dump_to": str(tmp_path)})
+  assert record.compiled
+  assert list(tmp_path.glob("*after_optimizations-buffer-assignment.txt"))
+
+
 def test_a_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
   plan = tapas.search(_loss, *ARGS, mesh={"data": 4}, device="cpu")

@@ -35,6 +35,7 @@ from tapas_jax import fold as foldlib
 from tapas_jax import options
 from tapas_jax import plan as planlib
 from tapas_jax import plan_file
+from tapas_jax import rules as ruleslib
 from tapas_jax import trace as tracelib
 from tapas_jax import solver
 from tapas_jax.mesh import MeshError, make_mesh
@@ -326,7 +327,12 @@ def _fences(plan: planlib.Plan, graph, folded, pins: Mapping) -> fencelib.Fences
   """The order the plan's memory figures assume for the layers' backward, or None."""
   if not plan.gradient_fences:
     return None
-  fences = fencelib.Fences(graph, folded, pins)
+  def summed(v: int) -> bool:  # read only by sums: reduced after them, past the fence
+    readers = graph.consumers.get(v, ())
+    return bool(readers) and all(ruleslib.facts(graph.ops[r].primitive).sums
+                                 for r in readers)
+  fences = fencelib.Fences(graph, folded, pins,
+                           left_out=summed if plan.sums_past_fences else lambda v: False)
   return fences if fences.at else None
 
 

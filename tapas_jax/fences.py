@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -43,9 +43,16 @@ class Fences:
       to the layer below, the values it leaves for later: its gradients).
     pin: value -> the layout every reader of it pins (reduced there before the
       barrier, where the plan says so).
+
+  `left_out(v)`: a result the barrier must not take. A partial sum through a barrier is
+  reduced before it; where the compiler adds partial sums first and reduces once
+  (`Plan.sums_past_fences`), the results only sums read stay out (T5's decoder layers'
+  parts of the encoder output's gradient: one all-reduce, not one per layer and
+  projection; BENCHMARKS.md, "Partial sums past the fences").
   """
 
-  def __init__(self, graph, folded, pins: Mapping):
+  def __init__(self, graph, folded, pins: Mapping,
+               left_out: Callable[[int], bool] = lambda v: False):
     top = graph.region_ops(0)
     pos = {op.index: k for k, op in enumerate(top)}
     owner = {op: inst.index for inst in folded.instances for op in inst.ops}
@@ -63,6 +70,7 @@ class Fences:
       exits = [v for p in run for v in graph.ops[p].outputs
                if v in returned or any(r not in mine for r in graph.consumers.get(v, ()))]
       passed = [v for v in exits if _hands_down(v, inst.index, owner, graph)]
+      exits = [v for v in exits if v in passed or not left_out(v)]
       self.at[graph.ops[run[-1]].site] = (passed, [v for v in exits if v not in passed])
       for v in exits:
         op = graph.ops[graph.producer[v]]

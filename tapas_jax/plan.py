@@ -71,6 +71,10 @@ class Plan:
       gradients before the layer below's backward starts, as the memory model assumes
       (set for profiles whose compiler reduces gradients as they are made; XLA:CPU's
       holds them all to the end).
+    sums_past_fences: the fences leave out a layer's results that only sums read (a
+      decoder layer's part of the encoder output's gradient), so that their partial
+      sums are added up before one reduction (set where the compiler reassociates
+      all-reduces, `DeviceProfile.reassociates_all_reduces`, as the model costs it).
   """
 
   mesh_axes: Mapping[str, int]
@@ -90,6 +94,7 @@ class Plan:
   compiled: CompiledFigures | None = None
   use_specs: tuple[tuple[str, PartitionSpec], ...] = ()
   gradient_fences: bool = False
+  sums_past_fences: bool = False
 
   def save(self, path) -> None:
     """Writes the plan to `path` as JSON (see `tapas_jax.plan_file`), atomically."""
@@ -330,7 +335,7 @@ def make_plan(folded: Folded, solution: Solution, args: Sequence[Any], search_s:
               fingerprint=g.regions[0].fingerprint, name=name, constraints=terms.constraints,
               kwargs_specs=kwargs_specs, input_types=tuple((i.path, i.type) for i in terms.inputs),
               decisions=terms.decisions, baselines=tuple(baselines), remat=terms.remat,
-              gradient_fences=terms.gradient_fences,
+              gradient_fences=terms.gradient_fences, sums_past_fences=terms.sums_past_fences,
               use_specs=tuple((i.path, i.used) for i in terms.inputs if i.used is not None))
 
 

@@ -239,6 +239,8 @@ def to_json(plan: Any) -> dict[str, Any]:
     out["remat"] = [[layer, policy] for layer, policy in plan.remat]
   if plan.gradient_fences:  # the same
     out["gradient_fences"] = True
+  if plan.sums_past_fences:  # the same
+    out["sums_past_fences"] = True
   if plan.use_specs:  # the same
     out["use_specs"] = [[p, _spec_json(s, "use_specs")] for p, s in plan.use_specs]
   if plan.compiled is not None:  # the same: only plans searched with verify= have it
@@ -407,7 +409,8 @@ def _jsonable(value: Any) -> bool:
 
 _TOP = {"schema", "version", "name", "device", "fingerprint", "mesh", "in_specs",
         "kwargs_specs", "input_types", "class_axes", "layers", "stats", "constraints",
-        "decisions", "baselines", "remat", "compiled", "use_specs", "gradient_fences"}
+        "decisions", "baselines", "remat", "compiled", "use_specs", "gradient_fences",
+        "sums_past_fences"}
 # Stats fields added after version 1's first files: absent from older ones.
 _LATER_STATS = frozenset({"plan_s", "report_s"})
 
@@ -438,6 +441,7 @@ def from_json(data: Any, plan_type: Callable[..., Any], source: str = "plan") ->
       input_types=_input_types(r, data), decisions=_decisions(r, data),
       baselines=_baselines(r, data), remat=_remat(r, data),
       gradient_fences=_flag(r, data, "gradient_fences"),
+      sums_past_fences=_flag(r, data, "sums_past_fences"),
       compiled=_compiled(r, data["compiled"]) if "compiled" in data else None,
       use_specs=(_path_specs(r, data["use_specs"], "use_specs") if "use_specs" in data
                  # older files: only each unique layer's first instance is known

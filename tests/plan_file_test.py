@@ -276,6 +276,18 @@ def test_every_instances_use_specs_round_trip_and_older_files_read_the_layers(tm
   assert "use_specs" not in plan_file.to_json(small_plan())  # older readers: no new field
 
 
+def test_sums_past_fences_round_trips_and_older_files_read_without_it(tmp_path):
+  plan = dataclasses.replace(small_plan(), sums_past_fences=True)  # as on a TPU profile
+  data = plan_file.to_json(plan)
+  assert data["sums_past_fences"] is True
+  (tmp_path / "new.json").write_text(json.dumps(data))
+  assert tapas.Plan.load(tmp_path / "new.json") == plan
+  assert "sums_past_fences" not in plan_file.to_json(small_plan())  # h100: not set
+  del data["sums_past_fences"]  # a file written before the field
+  (tmp_path / "old.json").write_text(json.dumps(data))
+  assert tapas.Plan.load(tmp_path / "old.json") == small_plan()
+
+
 def test_gradient_fences_round_trip_and_older_files_read_without_them(tmp_path):
   plan = small_plan()  # h100: its compiler reduces gradients as they are made
   assert plan.gradient_fences

@@ -71,7 +71,8 @@ def plan_terms(problem: Problem, choice: Choice, reasons: Mapping[int, Reason],
       constraints=_constraints(problem, choice, fixed),
       decisions=_decisions(problem, choice, reasons), class_axes=_class_axes(problem, choice),
       remat=rematlib.policy_names(folded, remat) if remat else (),
-      gradient_fences=math.isfinite(problem.profile.combine_threshold_bytes))
+      gradient_fences=math.isfinite(problem.profile.combine_threshold_bytes),
+      sums_past_fences=problem.profile.reassociates_all_reduces)
 
 
 def _input_specs(problem: Problem, choice: Choice, v: int, fixed: costlib.Layout | None

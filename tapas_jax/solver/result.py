@@ -129,6 +129,9 @@ class PlanTerms:
     gradient_fences: whether the memory model has each layer's weight gradients made and
       reduced before the backward moves on (the profile's combiner stops at a
       threshold), which `apply` then enforces; XLA:CPU holds them all to the end.
+    sums_past_fences: whether those fences leave out a layer's results that only sums
+      read, their partial sums added before one reduction as the model costs them
+      (the profile's `reassociates_all_reduces`).
   """
 
   mesh_axes: Mapping[str, int]
@@ -139,6 +142,7 @@ class PlanTerms:
   class_axes: tuple[tuple[str, int, tuple[str, ...]], ...]
   remat: tuple[tuple[str, str], ...] = ()
   gradient_fences: bool = False
+  sums_past_fences: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,11 +44,13 @@ class Fences:
     pin: value -> the layout every reader of it pins (reduced there before the
       barrier, where the plan says so).
 
-  `left_out(v)`: a result the barrier must not take. A partial sum through a barrier is
+  `left_out(v)`: a result the barrier need not take. A partial sum through a barrier is
   reduced before it; where the compiler adds partial sums first and reduces once
-  (`Plan.sums_past_fences`), the results only sums read stay out (T5's decoder layers'
-  parts of the encoder output's gradient: one all-reduce, not one per layer and
-  projection; BENCHMARKS.md, "Partial sums past the fences").
+  (`Plan.sums_past_fences`), the results only sums read that go on, through the glue,
+  to a layer below stay out (T5's decoder layers' parts of the encoder output's
+  gradient: one all-reduce, not one per layer and projection; BENCHMARKS.md, "Partial
+  sums past the fences"). A weight gradient stays in whatever reads it (an
+  accumulator's sum too): it goes only to the update.
   """
 
   def __init__(self, graph, folded, pins: Mapping,
@@ -70,7 +72,8 @@ class Fences:
       exits = [v for p in run for v in graph.ops[p].outputs
                if v in returned or any(r not in mine for r in graph.consumers.get(v, ()))]
       passed = [v for v in exits if _hands_down(v, inst.index, owner, graph)]
-      exits = [v for v in exits if v in passed or not left_out(v)]
+      exits = [v for v in exits if v in passed or not (
+          left_out(v) and _reaches_below(v, inst.index, owner, graph))]
       self.at[graph.ops[run[-1]].site] = (passed, [v for v in exits if v not in passed])
       for v in exits:
         op = graph.ops[graph.producer[v]]
@@ -130,6 +133,23 @@ def _backward_run(inst, top, pos: Mapping[int, int], owner: Mapping[int, int],
 def _hands_down(v: int, instance: int, owner: Mapping[int, int], graph) -> bool:
   """Whether a layer below `instance` (an earlier one in the program) reads `v`."""
   return any(owner.get(r, instance) < instance for r in graph.consumers.get(v, ()))
+
+
+def _reaches_below(v: int, instance: int, owner: Mapping[int, int], graph,
+                   limit: int = 10_000) -> bool:
+  """Whether `v` goes on, through ops of no layer, to a layer below `instance` (a
+  cotangent summed in the glue first), not only to the update; `limit` ops walked at
+  most (then: no)."""
+  todo, seen = [v], set()
+  while todo and len(seen) < limit:
+    for r in graph.consumers.get(todo.pop(), ()):
+      if r in owner:
+        if owner[r] < instance:
+          return True
+      elif r not in seen:
+        seen.add(r)
+        todo.extend(graph.ops[r].outputs)
+  return False
 
 
 # Ops of no layer (a cast, a sum JAX leaves unnamed) inside a layer's backward.

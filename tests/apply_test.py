@@ -114,6 +114,35 @@ def test_partial_sums_only_sums_read_pass_the_fences_where_the_compiler_adds_fir
   two_steps(on_eight, m, 8)  # on the 8 CPU devices
 
 
+def test_a_weight_gradient_summed_into_an_accumulator_still_waits_at_its_fence():
+  """A layer's results read only by sums stay out of the barrier only where they go
+  on to a layer below (T5's encoder-output gradient); a weight gradient added into an
+  accumulator goes only to the state, and keeps its fence."""
+  m = models.get_model("gpt", "tiny", num_layers=4)
+  loss_fn = m.loss_fn()
+
+  def accumulate(params, acc, batch):
+    grads = jax.grad(lambda p: loss_fn(p, {}, batch)[0])(params)
+    return params, jax.tree.map(lambda a, g: a + g, acc, grads)
+
+  params = m.abstract_state().params
+  graph = trace.trace(accumulate, params, params, m.batch_spec(8))
+  folded = fold.fold(graph)
+  summed = lambda v: bool(graph.consumers.get(v)) and all(  # noqa: E731
+      graph.ops[r].primitive in ("add", "add_any") for r in graph.consumers[v])
+  fenced = fences.Fences(graph, folded, {}).at
+  assert fences.Fences(graph, folded, {}, left_out=summed).at == fenced
+  assert any(results and all(map(summed, results)) for _, results in fenced.values())
+  m5 = models.get_model("t5", "tiny")
+  g5 = trace.trace(m5.train_step(), m5.abstract_state(), m5.batch_spec(8))
+  f5 = fold.fold(g5)
+  summed5 = lambda v: bool(g5.consumers.get(v)) and all(  # noqa: E731
+      g5.ops[r].primitive in ("add", "add_any") for r in g5.consumers[v])
+  results = lambda at: sum(len(r) for _, r in at.values())  # noqa: E731
+  assert results(fences.Fences(g5, f5, {}, left_out=summed5).at) < results(
+      fences.Fences(g5, f5, {}).at)
+
+
 @pytest.mark.parametrize("style", sorted(styles.STYLES))
 def test_every_style_gets_a_fence_per_layer_boundary_of_its_backward(style):
   """However the library writes its blocks (remat, per-op names, pytree modules, vmap

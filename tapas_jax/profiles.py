@@ -72,6 +72,13 @@ class DeviceProfile:
       the end of the backward pass (measured on the zoo: its temporaries hold every
       gradient twice there), which is infinite here. Gradients wait for their
       combined reduction, so this sets how many are live at once.
+    glue_gradients_last: whether the compiler makes a weight gradient that no layer
+      holds (the lm_head's, an embedding's: nothing orders it, `apply`'s fences order
+      only the layers') after the backward of every layer below, just before the
+      update, its operands held until then. The TPU compiler does (libtpu 0.0.42.1:
+      the small LLaMA's lm_head gradient after every block's backward, the f32 logits
+      held; a two-matmul toy at 256 to 4,096 tokens per device alike; BENCHMARKS.md
+      "The FSDP rows again").
     copies_donated_inputs: whether the compiler copies a donated input whole before
       its in-place update where a reader its next value does not depend on (the
       backward pass's `dy @ W.T`) is not ordered before the update (XLA:CPU's copy
@@ -162,6 +169,7 @@ class DeviceProfile:
   canonical_convolutions: bool = False
   reductions_duplicate: bool = True
   copies_donated_inputs: bool = True
+  glue_gradients_last: bool = False
   combine_threshold_bytes: float = 30 * 2**20
   dot_operand_fusion: bool = False
   all_gather_as_all_reduce_above: float = math.inf
@@ -191,6 +199,8 @@ _TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
 _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
                     stores_dot_operands_in_bf16=True, copies_donated_inputs=False)
+# How the TPU compiler orders the backward (the field's doc): the same on every generation.
+_TPU_SCHEDULE = dict(glue_gradients_last=True)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -223,6 +233,7 @@ PROFILES: dict[str, DeviceProfile] = {
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
         **_TPU_STORAGE,
+        **_TPU_SCHEDULE,
     ),
     "tpu-v5e": DeviceProfile(
         name="tpu-v5e",
@@ -247,6 +258,7 @@ PROFILES: dict[str, DeviceProfile] = {
         **_TPU_COLLECTIVES,
         **_TPU_2D_GATHERS,
         **_TPU_STORAGE,
+        **_TPU_SCHEDULE,
     ),
     "tpu-v5p": DeviceProfile(
         name="tpu-v5p",
@@ -270,6 +282,7 @@ PROFILES: dict[str, DeviceProfile] = {
         dot_operand_fusion=True,  # the TPU compiler's fusions (field doc)
         **_TPU_COLLECTIVES,
         **_TPU_STORAGE,
+        **_TPU_SCHEDULE,
     ),
     "tpu-v6e": DeviceProfile(
         name="tpu-v6e",
@@ -296,6 +309,7 @@ PROFILES: dict[str, DeviceProfile] = {
         **_TPU_COLLECTIVES,
         **_TPU_2D_GATHERS,
         **_TPU_STORAGE,
+        **_TPU_SCHEDULE,
     ),
     "a100": DeviceProfile(
         name="a100",
@@ -379,7 +393,7 @@ PROFILES: dict[str, DeviceProfile] = {
 # The DeviceProfile fields that describe its compiler (memory layout, how collectives are
 # lowered), not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
-                    "copies_donated_inputs",
+                    "copies_donated_inputs", "glue_gradients_last",
                     "combine_threshold_bytes", "dot_operand_fusion",
                     "all_gather_as_all_reduce_above", "all_gather_as_all_reduce_up_to_bytes",
                     "reduce_scatter_as_all_reduce",

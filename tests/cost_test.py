@@ -71,11 +71,13 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                        p.all_gather_as_all_reduce_up_to_bytes,
                        p.reduce_scatter_as_all_reduce, p.gathers_dot_operands_in_bf16,
                        p.reassociates_all_reduces, p.memory_tile, p.buffer_granule_bytes,
-                       p.stores_dot_operands_in_bf16, p.copies_donated_inputs)
+                       p.stores_dot_operands_in_bf16, p.copies_donated_inputs,
+                       p.glue_gradients_last)
   assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
-                                           math.inf, False, False, False, (), 1, False, True)
+                                           math.inf, False, False, False, (), 1, False, True,
+                                           False)
   assert layout(base) == (True, False, True, 30 * 2**20, True, 32, math.inf, True, True, True,
-                          (8, 128), 512, True, False)
+                          (8, 128), 512, True, False, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
@@ -85,7 +87,7 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                              reassociates_all_reduces=True, memory_tile=(8, 128),
                              buffer_granule_bytes=512,
                              stores_dot_operands_in_bf16=True,
-                             copies_donated_inputs=False) == base
+                             copies_donated_inputs=False, glue_gradients_last=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 

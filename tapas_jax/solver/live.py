@@ -21,6 +21,7 @@ from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.reorder import glue_gradients_last
 from tapas_jax.solver.template import Lineup, Reach, mapped_entries, merge
 from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_region
@@ -123,6 +124,10 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
     reads: a reduce-scatter's slice under ZeRO) are live as the reduction runs, and the
     reduced copy lives to the update. A gradient nothing reduces is used where it is
     made (XLA runs its update then, in place).
+  * Where the compiler makes the glue's weight gradients last
+    (`DeviceProfile.glue_gradients_last`: the lm_head's, an embedding's; no fence
+    orders them), each is made just before its first reader past the backward, and
+    what it reads is held until then (`reorder.glue_gradients_last`).
   * A parameter stored apart from its use (ZeRO) is gathered once into its compute
     layout (`apply` pins one copy per value) and that copy lives from its first
     compute reader to its last.
@@ -161,7 +166,8 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   else:
     own = _add_mapped(entries, problem, prog, update, conv)
   _hand_over_in_place(prog, entries)
-  _add_reductions(entries, problem, prog, update.gradients, own)
+  moved = glue_gradients_last(entries, problem, prog, update, own)
+  _add_reductions(entries, problem, prog, update.gradients, own, moved)
   _add_loop_bodies(entries, problem, prog)
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
@@ -417,7 +423,7 @@ def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes
 
 
 def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradients,
-                    own: Mapping[int, int]) -> None:
+                    own: Mapping[int, int], moved: Mapping[int, int] | None = None) -> None:
   """Where a split leaves them partial sums, the gradients' reductions are combined, in
   program order, up to the compiler's combine threshold, each combined reduction run
   once the last of its gradients is made: each is kept as made until then, its reduced
@@ -426,15 +432,16 @@ def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradient
   (in place): the gradient lives where it is made only."""
   if not gradients:
     return
-  g, pos, made_of = prog.graph, prog.pos, _Made(problem, prog)
-  at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end)
+  g, pos, made_of, moved = prog.graph, prog.pos, _Made(problem, prog), moved or {}
+  at_of = _combined(g, gradients, {**pos, **moved} if moved else pos,
+                    problem.profile.combine_threshold_bytes, prog.end)
   for x, (read, last) in gradients.items():
     p, at = g.producer[x], at_of[x]
     made = made_of.classes(g.ops[p], g.ops[p].outputs.index(x), x)
     partial = made_of.partial_classes(p)
     if made is None or not partial:
       continue
-    first = entries.stop[own[x]] + 1 if x in own else pos[p]
+    first = entries.stop[own[x]] + 1 if x in own else moved.get(p, pos[p])
     # Without a reduce-scatter pass (XLA:CPU) the sums are all-reduced whole, as
     # made, and sliced where the update reads them.
     reduced = read if problem.profile.reduce_scatter else made

@@ -71,6 +71,7 @@ class View:
       `ops`, each standing for trip-count executions).
     copies: folded, per unique layer with interior copies, how they line up with
       their representative.
+    glue: folded, the top-level ops of no layer instance (empty unfolded).
   """
 
   ops: tuple[int, ...]
@@ -79,6 +80,7 @@ class View:
   op_canon: Mapping[int, int] = dataclasses.field(default_factory=dict)
   loops: frozenset[int] = frozenset()
   copies: tuple[Copies, ...] = ()
+  glue: frozenset[int] = frozenset()
 
 
 class Standing:
@@ -245,4 +247,4 @@ def folded_view(folded: Folded) -> View:
                            tuple(values), frozenset(v for inst in interior
                                                     for v in inst.outputs)))
   return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon,
-              copies=tuple(copies))
+              copies=tuple(copies), glue=frozenset(i for seg in folded.glue for i in seg.ops))

@@ -73,12 +73,13 @@ class DeviceProfile:
       gradient twice there), which is infinite here. Gradients wait for their
       combined reduction, so this sets how many are live at once.
     glue_gradients_last: whether the compiler makes a weight gradient that no layer
-      holds (the lm_head's, an embedding's: nothing orders it, `apply`'s fences order
+      holds (an lm_head's, a classifier head's: nothing orders it, `apply`'s fences order
       only the layers') after the backward of every layer below, just before the
       update, its operands held until then. The TPU compiler does (libtpu 0.0.42.1:
       the small LLaMA's lm_head gradient after every block's backward, the f32 logits
-      held; a two-matmul toy at 256 to 4,096 tokens per device alike; BENCHMARKS.md
-      "The FSDP rows again").
+      held; a two-matmul toy at 128 to 4,096 tokens per device alike; not past a
+      loop: a scanned LLaMA's before its scanned backward; BENCHMARKS.md "The glue's
+      weight gradients made last").
     copies_donated_inputs: whether the compiler copies a donated input whole before
       its in-place update where a reader its next value does not depend on (the
       backward pass's `dy @ W.T`) is not ordered before the update (XLA:CPU's copy

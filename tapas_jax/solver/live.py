@@ -125,7 +125,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
     reduced copy lives to the update. A gradient nothing reduces is used where it is
     made (XLA runs its update then, in place).
   * Where the compiler makes the glue's weight gradients last
-    (`DeviceProfile.glue_gradients_last`: the lm_head's, an embedding's; no fence
+    (`DeviceProfile.glue_gradients_last`: an lm_head's, a head's; no fence
     orders them), each is made just before its first reader past the backward, and
     what it reads is held until then (`reorder.glue_gradients_last`).
   * A parameter stored apart from its use (ZeRO) is gathered once into its compute

@@ -77,7 +77,7 @@ class DeviceProfile:
       only the layers') after the backward of every layer below, just before the
       update, its operands held until then. The TPU compiler does (libtpu 0.0.42.1:
       the small LLaMA's lm_head gradient after every block's backward, the f32 logits
-      held; a two-matmul toy at 128 to 4,096 tokens per device alike; not past a
+      held; a two-matmul toy at 256 to 4,096 tokens per device alike; not past a
       loop: a scanned LLaMA's before its scanned backward; BENCHMARKS.md "The glue's
       weight gradients made last").
     copies_donated_inputs: whether the compiler copies a donated input whole before

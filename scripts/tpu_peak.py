@@ -78,12 +78,7 @@ def peak(folder: str, top: int = 15, in_place: bool = True
         merged.append(tuple(cur))
         cur = [start, end, size, name]
     merged.append(tuple(cur))
-  length = max(end for _, end, _, _ in merged) + 2
-  delta = np.zeros(length)
-  for start, end, size, _ in merged:
-    delta[start] += size
-    delta[end + 1] -= size
-  live = np.cumsum(delta)
+  live = _curve(merged)
   at = int(np.argmax(live))
   here = sorted(((size, name, start, end) for start, end, size, name in merged
                  if start <= at <= end), reverse=True)
@@ -93,11 +88,16 @@ def peak(folder: str, top: int = 15, in_place: bool = True
 def on_chip(folder: str) -> np.ndarray:
   """Bytes in memory space S(1) (VMEM) live at each program point: buffers the
   memory-space assignment keeps on chip, which `peak_memory_in_bytes` leaves out."""
-  spans = _buffers(folder, on_chip=True)
-  live = np.zeros(max((end for _, end, *_ in spans), default=0) + 2)
+  return _curve(_buffers(folder, on_chip=True))
+
+
+def _curve(spans) -> np.ndarray:
+  """Bytes live at each program point, of (start, end, size, ...) spans, ends included."""
+  delta = np.zeros(max((end for _, end, *_ in spans), default=0) + 2)
   for start, end, size, *_ in spans:
-    live[start:end + 1] += size
-  return live
+    delta[start] += size
+    delta[end + 1] -= size
+  return np.cumsum(delta)
 
 
 def _compile(a) -> str:

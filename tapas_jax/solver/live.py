@@ -433,8 +433,8 @@ def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradient
   if not gradients:
     return
   g, pos, made_of, moved = prog.graph, prog.pos, _Made(problem, prog), moved or {}
-  at_of = _combined(g, gradients, {**pos, **moved} if moved else pos,
-                    problem.profile.combine_threshold_bytes, prog.end)
+  at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end,
+                    moved)
   for x, (read, last) in gradients.items():
     p, at = g.producer[x], at_of[x]
     made = made_of.classes(g.ops[p], g.ops[p].outputs.index(x), x)
@@ -550,21 +550,26 @@ def _read_by_contractions(prog: _Program, v: int) -> bool:
   return dots > 0
 
 
-def _combined(g, gradients, pos, threshold: float, end: int) -> dict[int, int]:
+def _combined(g, gradients, pos, threshold: float, end: int,
+              moved: Mapping[int, int] | None = None) -> dict[int, int]:
   """gradient -> program position of the combined reduction that reduces it: in the
   order they are made, gradients join one reduction until their bytes would pass
   `threshold` (XLA's all-reduce / reduce-scatter combiners; the whole bytes stand
-  for each device's share), which runs after the last of them is made."""
+  for each device's share), which runs after the last of them is made. An op in
+  `moved` is made at the position it maps to, not at `pos`'s."""
+  def made_at(x):
+    p = g.producer[x]
+    return moved.get(p, pos[p]) if moved else pos[p]
+
   buckets: list[list[int]] = [[]]
   total = 0.0
-  for x in sorted(gradients, key=lambda x: pos[g.producer[x]]):
+  for x in sorted(gradients, key=made_at):
     if buckets[-1] and total + g.types[x].nbytes > threshold:
       buckets.append([])
       total = 0.0
     buckets[-1].append(x)
     total += g.types[x].nbytes
-  return {x: min(pos[g.producer[bucket[-1]]] + 1, end)
-          for bucket in buckets for x in bucket}
+  return {x: min(made_at(bucket[-1]) + 1, end) for bucket in buckets for x in bucket}
 
 
 def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:

@@ -6,6 +6,7 @@ import importlib
 import math
 import re
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -490,6 +491,36 @@ def test_unsplittable_batch_warns_naming_batch_axes():
     tapas.search(step, state, batch, mesh={"tp": 8}, device="cpu", batch_axes=())
   with pytest.warns(UserWarning, match=r"size 8\) cannot be split over any mesh axis"):
     tapas.search(step, state, batch, mesh={"data": 16}, device="cpu")  # 16 does not divide 8
+
+
+def _accumulating_step(strided: bool):
+  """A train step accumulating gradients over 2 microbatches with `lax.scan`: the batch
+  reshaped to (2, B // 2) (the loop over the batch's leading part), or strided."""
+  w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+
+  def loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+  def step(w, x):
+    micro = (jnp.moveaxis(x.reshape(8, 2, 16), 1, 0) if strided else x.reshape(2, 8, 16))
+    def body(acc, mb):
+      return acc + jax.grad(loss)(w, mb), None
+    g, _ = jax.lax.scan(body, jnp.zeros_like(w), micro)
+    return w - 0.1 * g
+  return step, w, x
+
+
+def test_a_batch_the_program_loops_over_warns_with_the_strided_reshape_to_use():
+  step, w, x = _accumulating_step(strided=False)
+  with pytest.warns(UserWarning, match=r"keeps whole: a loop runs over it.*jnp\.moveaxis"):
+    tapas.search(step, w, x, mesh={"data": 2}, device="cpu")
+  step, w, x = _accumulating_step(strided=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the strided batch splits: no warning
+    prepared = api.prepare(step, (w, x), mesh={"data": 2}, device="cpu")
+  batch = [c for c in prepared.problem.classes if c.batch]
+  assert batch and all(("data",) in prepared.problem.domains[c.index] for c in batch)
 
 
 def test_compute_is_a_roofline_over_the_bytes_an_op_moves():

@@ -225,16 +225,29 @@ def with_batch_axes(problem: Problem, batch_axes: Sequence[str] | None) -> Probl
 
 
 def warn_batch_unsplit(problem: Problem) -> None:
-  """One warning when the program has a batch but no allowed mesh axis can split it."""
+  """One warning when the program has a batch but no allowed mesh axis can split it,
+  saying why: no allowed axis divides it, or the program itself holds it whole."""
   batch = [c for c in problem.classes if c.batch and c.size > 1]
   if not batch or any(len(problem.domains[c.index]) > 1 for c in batch):
     return
   widest = max(batch, key=lambda c: c.size)
   axes = [a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1]
+  mesh = dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))
+  if not widest.splittable:
+    # Axes would divide it, but the program pins it (`_unsplittable`).
+    warnings.warn(
+        f"search: the batch ({widest.example}, size {widest.size}) is a dimension the "
+        f"program itself keeps whole: a loop runs over it or one op holds it twice; every "
+        f"device will compute the whole batch (mesh {mesh}). Gradient accumulation that "
+        f"reshapes the batch (B, ...) to (A, B // A, ...) and scans over A loops over the "
+        f"batch's leading part; reshape to (B // A, A, ...) and scan over "
+        f"jnp.moveaxis(x, 1, 0) instead: each device keeps its own rows, and every "
+        f"microbatch takes some of each device's.", stacklevel=3)
+    return
   warnings.warn(
       f"search: the batch ({widest.example}, size {widest.size}) cannot be split over any "
       f"mesh axis allowed to carry it (batch_axes={problem.batch_axes!r}, mesh "
-      f"{dict(zip(problem.mesh.axis_names, problem.mesh.axis_sizes))}); every device will "
+      f"{mesh}); every device will "
       f"compute the whole batch. Pass batch_axes= naming the axes that may split it (e.g. "
       f"batch_axes={tuple(axes)!r}), or use a batch size those axes divide.", stacklevel=3)
 

@@ -126,6 +126,7 @@ _TRANSCENDENTAL = (
 # marks JAX puts on the residuals a user's remat saves), as reduce_precision does.
 _COPIES = ("copy", "copy_p", "optimization_barrier")
 _IDENTITY = ("stop_gradient", "device_put", "sharding_constraint", "pvary",
+             "reshard",  # `jax.sharding.reshard` (shard_map emits it under jax >= 0.12)
              "name")  # `jax.ad_checkpoint.checkpoint_name`: tags a value for remat policies
 # Public names: every elementwise and every identity-like primitive.
 ELEMENTWISE = _ELEMENTWISE + _SUMS + _TRANSCENDENTAL + ("reduce_precision",)
@@ -422,6 +423,17 @@ def _pass_except(ins, outs, pinned: Iterable[int], ref: Shape, flops: int = 0) -
 @register("cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin")
 def _cumulative(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [params["axis"]], ins[0], flops=_size(ins[0]))
+
+
+@register("fft")
+def _fft(params, ins, outs) -> OpRule:
+  """`jnp.fft`: the transformed dims (the last `len(fft_lengths)`) stay whole, the
+  leading ones pass through; about 5 n log2 n FLOPs per transform of n points."""
+  lengths = tuple(params["fft_lengths"])
+  rank = len(ins[0])
+  n = max(math.prod(lengths), 2)
+  flops = 5 * max(_size(ins[0]), _size(outs[0])) * math.ceil(math.log2(n))
+  return _pass_except(ins, outs, range(rank - len(lengths), rank), ins[0], flops=flops)
 
 
 @register("sort")

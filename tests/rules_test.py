@@ -377,6 +377,19 @@ def test_style_primitive_rules(fn, primitive, shape, spec, sizes):
   assert r.flops == (2 * 3 * math.prod(shape) if primitive == "polynomial" else 0)
 
 
+def test_fft_keeps_its_transformed_dims_whole():
+  # An FNet-style mixing layer: fft over the sequence and features, batch split free.
+  _, _, r = rule_of_fn(lambda x: jnp.fft.rfft(x, axis=-1), sds(4, 8, 6), primitive="fft")
+  assert_rule(r, "ab_->ab_", sizes={"a": 4, "b": 8})
+  _, _, r = rule_of_fn(lambda x: jnp.fft.fft2(x).real, sds(4, 8, 6), primitive="fft")
+  assert_rule(r, "a__->a__")
+  assert r.flops == 5 * 4 * 8 * 6 * 6  # 5 n log2 n, n = 48 (ceil(log2 48) = 6)
+
+
+def test_reshard_passes_its_operand_through():
+  assert_rule(rule_of("reshard", {}, [(4, 8)], [(4, 8)]), "ab->ab")
+
+
 def test_tile_of_another_rank_is_an_error_not_a_guess():
   with rules.strict_rules(), pytest.raises(ValueError, match="differ in rank"):
     rule_of("tile", {"reps": (2, 1)}, [(8,)], [(2, 8)])
@@ -720,6 +733,15 @@ def test_numerics_style_primitives(mesh):
       # A split tiled dim is no local computation: each device slices a whole tiling.
       local = None if primitive == "tile" and 0 in (a, b) else fn
       check_sharded(fn, args, g, op, assign, mesh, local_fn=local)
+
+
+def test_numerics_fft_split_over_its_leading_dims(mesh):
+  x = _rand(0, 4, 8, 16)
+  fn = lambda a: jnp.fft.rfft(a, axis=-1).real  # noqa: E731
+  g, op, r = rule_of_fn(fn, x, primitive="fft")
+  a, b, _ = r.inputs[0]
+  check_sharded(lambda a: jnp.fft.rfft(a, axis=-1), (x,), g, op,
+                {a: ("data",), b: ("model",)}, mesh, local_fn=lambda a: jnp.fft.rfft(a, axis=-1))
 
 
 # Styles whose programs run values through name, stack, unstack and tile.

@@ -331,6 +331,38 @@ def stored_bytes(shape: Sequence[int], itemsize: int, profile: str | DeviceProfi
   return -(-padded // granule) * granule
 
 
+def conv_copy_bytes(shape: Sequence[int], itemsize: int, batch: int, feature: int,
+                    profile: str | DeviceProfile) -> int | None:
+  """Bytes of the copy of a convolution's input (activation operand) that a compiler
+  laying such operands out for its convolutions makes
+  (`DeviceProfile.copies_conv_inputs`): the copy puts the operand's `batch` and
+  `feature` dims in the tiles, the one that pads less in the lanes, the other in the
+  rows, spatial dims major. None where there is no copy: the array's own layout (the
+  one that pads least, `stored_bytes`) already has one of the two in the lanes, or the
+  profile makes none.
+
+  Example:
+    >>> conv_copy_bytes((8, 224, 224, 3), 2, 0, 3, "tpu-v5p") / 2**20  # the ViT stem's
+    49.0
+    >>> conv_copy_bytes((8, 224, 224, 128), 2, 0, 3, "tpu-v5p") is None
+    True
+  """
+  profile = get_profile(profile)
+  if not profile.copies_conv_inputs or not profile.memory_tile or len(shape) < 3:
+    return None
+  rows, lanes = profile.memory_tile
+  def padded(i, j):  # dim i in the rows, dim j in the lanes
+    return (math.prod(shape) // (shape[i] * shape[j]) * _tile_rows(shape[i], rows)
+            * (-(-shape[j] // lanes) * lanes) * itemsize)
+  pairs = [(i, j) for i in range(len(shape)) for j in range(len(shape)) if i != j]
+  if min(padded(i, j) for i, j in pairs if j in (batch, feature)) <= min(
+      padded(i, j) for i, j in pairs):
+    return None
+  copy = min(padded(feature, batch), padded(batch, feature))
+  granule = profile.buffer_granule_bytes
+  return -(-copy // granule) * granule
+
+
 def _tile_rows(n: int, rows: int) -> int:
   """A second-minor dim of n rounded up to the tile (a power of two for short dims)."""
   if n >= rows:

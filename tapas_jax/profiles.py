@@ -147,6 +147,24 @@ class DeviceProfile:
       order that pads least (libtpu 0.0.42.1, `memory_analysis()` of arrays from f32[1,1]
       to f32[2,100,3], bf16 and int8 alike: f32[64,64] takes 32 KiB, f32[3,5] 2 KiB,
       f32[9,5] 4 KiB; BENCHMARKS.md "The TPU compiler's tiles").
+    copies_conv_inputs: whether the compiler lays a convolution's input out with its
+      batch and feature dims in the tiles (the one that pads less in the lanes, the
+      other in the rows, spatial dims major) and, where a program input is stored
+      otherwise (its own layout, the one that pads least, has a spatial dim in the
+      lanes), reads it through such a copy, converted as it is made (bf16 at DEFAULT
+      precision), held from the first convolution reading it to the last (the
+      kernel gradient's): `cost.conv_copy_bytes`. The TPU compiler does (libtpu
+      0.0.42.1, v5p:2x2x1; images f32[N,H,W,C] into one or two NHWC convolutions, SGD,
+      weights donated: at N=8 and 32 per device and C=3, 8 or 64, 16x16 stride-16
+      patches of 224x224 and 3x3 stride-1 convolutions of 32x32 and 56x56, the copy
+      is there, `bf16[8,224,224,3]{0,3,2,1:T(4,128)(2,1)}` 49.0 MiB for 2.3 of data,
+      C=8 N=32 `{0,3,2,1:T(8,128)}` 98 MiB, C=64 N=8 `{3,0,2,1}` 98 MiB; where the
+      images' own layout has C or N in the lanes (C=128 or 256; N=128; C=64 at 32x32
+      and 56x56) there is none; the small ResNet's 64x64 images at 8 per device: 4.0
+      MiB). Below 8 images per device (2 to 7 measured) the compiler lowers the
+      convolution otherwise and makes no such copy: the entry vanishes where the batch
+      is split, for a batch under twice the tile's rows; the padding is the unsplit
+      value's, as for every activation. BENCHMARKS.md "The convolution's own layout".
     buffer_granule_bytes: the size every buffer is rounded up to (TPU: 512 bytes, the
       smallest array it allocates, f32[1] or int8[2,3,5] alike).
 
@@ -181,6 +199,7 @@ class DeviceProfile:
   reassociates_all_reduces: bool = False
   memory_tile: tuple[int, int] = ()
   buffer_granule_bytes: int = 1
+  copies_conv_inputs: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -199,7 +218,8 @@ _TPU_COLLECTIVES = dict(all_gather_as_all_reduce_above=32, reduce_scatter_as_all
 _TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
 _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
-                    stores_dot_operands_in_bf16=True, copies_donated_inputs=False)
+                    stores_dot_operands_in_bf16=True, copies_donated_inputs=False,
+                    copies_conv_inputs=True)
 # How the TPU compiler orders the backward (the field's doc): the same on every generation.
 _TPU_SCHEDULE = dict(glue_gradients_last=True)
 
@@ -399,7 +419,8 @@ _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_dupl
                     "all_gather_as_all_reduce_above", "all_gather_as_all_reduce_up_to_bytes",
                     "reduce_scatter_as_all_reduce",
                     "gathers_dot_operands_in_bf16", "reassociates_all_reduces",
-                    "memory_tile", "buffer_granule_bytes", "stores_dot_operands_in_bf16")
+                    "memory_tile", "buffer_granule_bytes", "stores_dot_operands_in_bf16",
+                    "copies_conv_inputs")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

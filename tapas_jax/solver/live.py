@@ -19,6 +19,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
+from tapas_jax.solver.conv_inputs import add_conv_input_copies
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.reorder import glue_gradients_last
@@ -150,7 +151,8 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
     norm's output and the logits' cotangent are never written, and their inputs live
     on to the last dot reading them (`dot_operand_fusion`), and holds an f32 value read
     only by dots and convolutions at DEFAULT precision in bf16
-    (`stores_dot_operands_in_bf16`).
+    (`stores_dot_operands_in_bf16`); it reads a program input convolutions read
+    through a copy in their own layout (`copies_conv_inputs`, `conv_inputs`).
 
   Built in named steps over one `_Program` record, each adding its kind of entry in
   program order (the order is part of the result: ties in `largest_live`, and which
@@ -171,6 +173,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   _add_loop_bodies(entries, problem, prog)
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
+  add_conv_input_copies(entries, problem, prog)
   return entries.activations(problem, len(prog.top), _narrowed(problem, prog, entries))
 
 
@@ -292,10 +295,14 @@ class Entries:
     self.stored: list[tuple | None] = []
     self.unless: list[tuple[int, ...]] = []
     self.only: list[tuple[int, ...]] = []
+    self.as_stored: set[int] = set()  # entries whose bytes are already as stored
 
   def add(self, start: int, stop: int, nbytes: float, value: int, dims, *,
-          stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = ()) -> int:
-    """Adds one entry; returns its index."""
+          stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = (),
+          as_stored: bool = False) -> int:
+    """Adds one entry; returns its index. `as_stored`: its bytes are padded already."""
+    if as_stored:
+      self.as_stored.add(len(self.start))
     self.start.append(start)
     self.stop.append(stop)
     self.nbytes.append(nbytes)
@@ -310,7 +317,8 @@ class Entries:
                   narrowed: frozenset[int] | set[int] = frozenset()) -> Activations:
     """The record of these entries; `narrowed`: the entries the compiler stores in bf16."""
     return Activations(np.array(self.start, int), np.array(self.stop, int),
-                       _as_stored(problem, self.nbytes, self.values, narrowed),
+                       _as_stored(problem, self.nbytes, self.values, narrowed,
+                                  self.as_stored),
                        tuple(self.dims),
                        length, tuple(self.values), tuple(self.stored),
                        tuple(self.unless), tuple(self.only))
@@ -494,10 +502,11 @@ def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> N
                 unless=batch)
 
 
-def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset()) -> np.ndarray:
+def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset(),
+               given=frozenset()) -> np.ndarray:
   """Each entry's bytes as the compiler stores the whole value: padded
   (`cost.stored_bytes`; the padding of the unsplit value stands for its shards'), in
-  bf16 for the entries `narrowed` holds."""
+  bf16 for the entries `narrowed` holds; those `given` as they are."""
   nbytes = np.array(nbytes, float)
   if not problem.profile.memory_tile and not narrowed:
     return nbytes
@@ -505,7 +514,7 @@ def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset()) -> np.nda
   return np.array([b * costlib.stored_bytes(types[v].shape,
                                             2 if k in narrowed else types[v].itemsize,
                                             problem.profile)
-                   / types[v].nbytes if types[v].nbytes else b
+                   / types[v].nbytes if types[v].nbytes and k not in given else b
                    for k, (b, v) in enumerate(zip(nbytes, values))], float)
 
 

@@ -8,7 +8,7 @@ VENV="${VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import tapas_jax, pytest, ml_collections, orbax.checkpoint, grain, libtpu" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
+if ! KERAS_BACKEND=jax "$VENV/bin/python" -c "import tapas_jax, pytest, ml_collections, orbax.checkpoint, grain, libtpu, equinox, keras" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -e '.[test]'
 fi

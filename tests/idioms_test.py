@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import styles  # tests/styles.py: the optax step they share
 import tapas_jax as tapas
 from tapas_jax import rules
 
@@ -213,15 +214,6 @@ def _tokens():
   return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
-def _optax_step(loss, opt):
-  def step(state, batch):
-    params, opt_state = state
-    value, grads = jax.value_and_grad(loss)(params, batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), value
-  return step
-
-
 def _xent(logits, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -234,7 +226,7 @@ def nnx_scan():
   # SGD: Adam's first step turns a zero gradient's rounding noise (an attention key's
   # bias: softmax does not see it) into a full step of either sign.
   opt = optax.sgd(0.1)
-  return _optax_step(loss, opt), (params, opt.init(params)), _tokens()
+  return styles._optax_step(loss, opt), (params, opt.init(params)), _tokens()
 
 
 class _DropoutMlp(nn.Module):
@@ -258,7 +250,7 @@ def linen_dropout():
     rngs = {"dropout": jax.random.wrap_key_data(b["rng"])}
     return _xent(model.apply({"params": p}, b["inputs"], rngs=rngs), b["targets"])
   opt = optax.adam(1e-3)
-  return _optax_step(loss, opt), (params, opt.init(params)), batch
+  return styles._optax_step(loss, opt), (params, opt.init(params)), batch
 
 
 STEPS = [loss_scaling, gradient_accumulation, nnx_scan, linen_dropout]

@@ -408,7 +408,8 @@ def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None
   out = []
   for name in ("data_parallel", "fsdp"):
     layout = solverlib.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")
-    solution = solverlib.evaluate(problem, layout, table_cache=table_cache)
+    solution = solverlib.evaluate(problem, layout, table_cache=table_cache,
+                                  figures_only=True)
     out.append(planlib.BaselineFigures(
         name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
         memory_bytes=solution.memory_bytes))

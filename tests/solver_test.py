@@ -627,6 +627,30 @@ def test_layout_choice_states_the_expert_layouts(options, splits):
     assert fc1 == [jax.sharding.PartitionSpec(None, "model")], fc1
 
 
+@pytest.mark.parametrize("family,device", [("gpt", "h100"), ("t5", "tpu-v5p"),
+                                           ("resnet", "cpu"), ("moe", "h100")])
+def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
+  # `figures_only` builds each table over the chosen options only: the same floats,
+  # for every expert layout, with remat too.
+  m = models.get_model(family, "tiny")
+  prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
+                         mesh={"data": 2, "model": 4}, device=device)
+  problem = solver.with_batch_axes(prepared.problem, None)
+  u = prepared.folded.unique_layers[0].index
+  for options, remat in ((dict(batch_axes=("data", "model")), None),
+                         (dict(batch_axes=("data", "model"), fsdp=True), None),
+                         (dict(batch_axes=("data",), fsdp=True), {u: "nothing_saveable"})):
+    layout = solver.layout_choice(problem, **options)
+    cache: dict = {}
+    full = solver.evaluate(problem, layout, table_cache=cache, folded=prepared.folded,
+                           remat=remat)
+    alone = solver.evaluate(problem, layout, table_cache=cache, folded=prepared.folded,
+                            remat=remat, figures_only=True)
+    assert (alone.step_s, alone.comm_bytes, alone.state_bytes, alone.activation_bytes) == (
+        full.step_s, full.comm_bytes, full.state_bytes, full.activation_bytes), options
+    assert full.comm_bytes > 0  # a layout that communicates: nothing trivially equal
+
+
 def test_layout_choice_names_what_is_not_an_input():
   problem = gpt_problem(2, fold=True)
   with pytest.raises(ValueError, match=r"used names \['no/such/param'\], not inputs"):

@@ -253,7 +253,8 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit,
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutChoice,
              input_layouts: Mapping[int, costlib.Layout] | None = None,
              table_cache: dict | None = None, folded=None,
-             remat: Mapping[int, str] | None = None) -> Solution:
+             remat: Mapping[int, str] | None = None, figures_only: bool = False
+             ) -> Solution:
   """Predicted cost of a given class choice (and optional fixed input layouts).
 
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
@@ -266,22 +267,15 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
     remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
       the layers rematerialised; their recompute is costed as the search costs it.
     table_cache: as for `solve`: the search's tables and activations, shared.
+    figures_only: the figures alone (a report's baseline): each cost table is built
+      over the chosen option of each class only, not over its whole domain, and
+      neither `reasons` nor `terms` is made. The same figures.
   """
   start = time.perf_counter()
   if isinstance(choice, LayoutChoice):
     if input_layouts is not None:
       raise ValueError("evaluate: a LayoutChoice brings its own input_layouts; pass one")
     choice, input_layouts = choice.choice, choice.input_layouts
-  builder = TableBuilder(problem, reuse=True, input_layouts=input_layouts, cache=table_cache)
-  tables = all_tables(problem, builder)
-  remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}
-  acts = cached_activations(problem, table_cache)
-  if remat:
-    if folded is None:
-      raise ValueError("evaluate: remat= needs the program's folded= (fold.fold(graph))")
-    remats = [r for u, p in remat.items() for r in rematlib.layer_remats(folded, u, p)]
-    tables = tables + rematlib.recompute_tables(problem, builder, remats)
-    acts = rematlib.with_remat(problem, acts, remats)
   index = {}
   for c, axes in choice.items():
     if axes not in problem.domains[c]:
@@ -289,9 +283,28 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
                        f"{problem.classes[c].size}) cannot take mesh axes {axes}; allowed: "
                        f"{problem.domains[c]}")
     index[c] = problem.domains[c].index(axes)
+  costed = problem
+  if figures_only:  # one entry per table: the choice's own
+    costed = dataclasses.replace(problem, domains=tuple(
+        (d[index.get(c, 0)],) for c, d in enumerate(problem.domains)))
+    index = {}
+  builder = TableBuilder(costed, reuse=True, input_layouts=input_layouts, cache=table_cache)
+  tables = all_tables(costed, builder)
+  remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}
+  acts = cached_activations(problem, table_cache)
+  if remat:
+    if folded is None:
+      raise ValueError("evaluate: remat= needs the program's folded= (fold.fold(graph))")
+    remats = [r for u, p in remat.items() for r in rematlib.layer_remats(folded, u, p)]
+    tables = tables + rematlib.recompute_tables(costed, builder, remats)
+    acts = rematlib.with_remat(problem, acts, remats)
   step_s, comm = evaluate_tables(tables, index)
-  state = evaluate_tables(memory_tables(problem, input_layouts), index)[0]
+  state = evaluate_tables(memory_tables(costed, input_layouts), index)[0]
   peak = activation_peak(problem, acts, choice)[0]
+  if figures_only:
+    return Solution(choice=dict(choice), step_s=step_s, comm_bytes=comm, state_bytes=state,
+                    activation_bytes=peak, tables_built=builder.built,
+                    solve_s=time.perf_counter() - start, memory_weight=0.0, remat=remat)
   choice, why = dict(choice), reasons(problem, tables, index)
   return Solution(choice=choice, step_s=step_s, comm_bytes=comm, state_bytes=state,
                   activation_bytes=peak, tables_built=builder.built,

@@ -267,8 +267,9 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
     remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
       the layers rematerialised; their recompute is costed as the search costs it.
     table_cache: as for `solve`: the search's tables and activations, shared.
-    figures_only: the figures alone (a report's baseline): each cost table is built
-      over the chosen option of each class only, not over its whole domain, and
+    figures_only: the figures alone (a report's baseline): the batch classes' tables
+      are built over the chosen option only (a baseline widens the batch's domain, so
+      those tables are built again anyway; the others are the search's, cached), and
       neither `reasons` nor `terms` is made. The same figures.
   """
   start = time.perf_counter()
@@ -284,10 +285,11 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
                        f"{problem.domains[c]}")
     index[c] = problem.domains[c].index(axes)
   costed = problem
-  if figures_only:  # one entry per table: the choice's own
+  if figures_only:  # the batch's options: the choice's own alone
+    pinned = {c.index for c in problem.classes if c.batch}
     costed = dataclasses.replace(problem, domains=tuple(
-        (d[index.get(c, 0)],) for c, d in enumerate(problem.domains)))
-    index = {}
+        (d[index.get(c, 0)],) if c in pinned else d for c, d in enumerate(problem.domains)))
+    index = {c: 0 if c in pinned else k for c, k in index.items()}
   builder = TableBuilder(costed, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(costed, builder)
   remat = {u: p for u, p in (remat or {}).items() if p != rematlib.NO_REMAT}

@@ -11,21 +11,21 @@ forward one) to the last (the kernel gradient's): `add_conv_input_copies` adds i
 
 from __future__ import annotations
 
-from typing import Any
-
 from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
+from tapas_jax.solver.live_program import Entries, LiveProgram, readers_through
+from tapas_jax.solver.problem import Problem
 
 __all__ = ["add_conv_input_copies"]
 
 
-def add_conv_input_copies(entries: Any, problem: Any, prog: Any) -> None:
-  """Adds each program input's copy in its convolutions' layout (`live.Entries`), as
-  stored. Below the tile's rows of images per device the compiler lowers the
-  convolution otherwise and makes none: for a batch under twice the rows the entry
-  vanishes where the batch dim is split (`unless`); the padding is the unsplit
-  value's, as for every activation (`live._as_stored`)."""
+def add_conv_input_copies(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
+  """Adds each program input's copy in its convolutions' layout, as stored. Below the
+  tile's rows of images per device the compiler lowers the convolution otherwise and
+  makes none: for a batch under twice the rows the entry vanishes where the batch dim
+  is split (`unless`); the padding is the unsplit value's, as for every activation
+  (`live._as_stored`)."""
   profile = problem.profile
   if not profile.copies_conv_inputs:
     return
@@ -47,22 +47,14 @@ def add_conv_input_copies(entries: Any, problem: Any, prog: Any) -> None:
       continue
     dims = tuple(problem.vclass(v, d) for d in range(len(shape)))
     unless = (dims[batch],) if shape[batch] < 2 * profile.memory_tile[0] else ()
-    entries.add(readers[0], readers[-1], nbytes, v, dims, unless=unless, as_stored=True)
+    entries.add(readers[0], readers[-1], nbytes, v, dims, unless=unless, padded=True)
 
 
-def _conv_readers(prog: Any, v: int) -> list[int]:
+def _conv_readers(prog: LiveProgram, v: int) -> list[int]:
   """Positions of the live top-level convolutions reading v as their input, directly
   or through converts fused into them."""
-  g = prog.graph
-  out, todo = [], [v]
-  while todo:
-    x = todo.pop()
-    for c in g.consumers.get(x, ()):
-      if c not in prog.live or c not in prog.pos or c in prog.update:
-        continue
-      op = g.ops[c]
-      if op.primitive == "conv_general_dilated" and op.inputs[0] == x:
-        out.append(prog.pos[c])
-      elif op.primitive == "convert_element_type" and op.outputs[0] in prog.fused:
-        todo.append(op.outputs[0])
-  return sorted(set(out))
+  return sorted({prog.pos[op.index] for x, op in readers_through(
+      prog, v, skip=lambda c, x: c not in prog.pos or c in prog.update,
+      through=lambda op: (op.primitive == "convert_element_type"
+                          and op.outputs[0] in prog.fused))
+      if op.primitive == "conv_general_dilated" and op.inputs[0] == x})

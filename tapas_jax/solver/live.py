@@ -4,15 +4,15 @@
 of one: gathered parameters, reduced gradients, values read through a cut, donated
 inputs copied before their update) with the program positions it is live between and
 the classes of its dims, as an `Activations` record that `memory` prices under a plan.
-It is built once per search in named steps over one `_Program` record.
+It is built once per search in named steps over one `LiveProgram` record
+(`live_program`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,14 +20,16 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.conv_inputs import add_conv_input_copies
-from tapas_jax.solver.fusion import fused_values, live_ops, top_level
+from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.reorder import glue_gradients_last
-from tapas_jax.solver.template import Lineup, Reach, mapped_entries, merge
+from tapas_jax.solver.live_program import (Entries, LiveProgram, live_program,
+                                            readers_through)
+from tapas_jax.solver.template import Reach, mapped_entries, merge
 from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_region
 
-__all__ = ["Activations", "Entries", "activations", "loop_body_values"]
+__all__ = ["Activations", "activations", "loop_body_values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +156,11 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
     (`stores_dot_operands_in_bf16`); it reads a program input convolutions read
     through a copy in their own layout (`copies_conv_inputs`, `conv_inputs`).
 
-  Built in named steps over one `_Program` record, each adding its kind of entry in
+  Built in named steps over one `LiveProgram` record, each adding its kind of entry in
   program order (the order is part of the result: ties in `largest_live`, and which
   entry stands for a value as written).
   """
-  prog = _program(problem, cache, per_op)
+  prog = live_program(problem, cache, per_op)
   update = UpdateReads.of(problem, prog)
   conv = _conv_copies(problem, prog)
   entries = Entries()
@@ -174,61 +176,10 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
   add_conv_input_copies(entries, problem, prog)
-  return entries.activations(problem, len(prog.top), _narrowed(problem, prog, entries))
+  return _record(entries, problem, len(prog.top), _narrowed(problem, prog, entries))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-  """The top-level program as `activations` reads it: computed once, read by each step.
-
-  Attributes:
-    graph: the traced program.
-    top: its top-level ops, in program order.
-    pos: op index -> position in `top`.
-    live: top-level ops some output depends on.
-    fused: values XLA never writes out (recomputed in their readers).
-    outputs: the program's outputs; carried: the next values of carried state.
-    update: top-level ops of the state update (by the op standing for them).
-    lineup: where the view's interior copies sit (`template.Lineup`): the steps ask an
-      op's own facts (its primitive, its loop body) of the ops outside them and of
-      each representative only.
-    per_op: every step walks every op (`activations(per_op=True)`): the lineup has
-      no copies.
-  """
-
-  graph: Any
-  top: tuple
-  pos: Mapping[int, int]
-  live: frozenset[int] | set[int]
-  fused: frozenset[int] | set[int]
-  outputs: frozenset[int]
-  carried: frozenset[int]
-  update: frozenset[int]
-  lineup: Lineup
-  per_op: bool = False
-
-  @property
-  def end(self) -> int:
-    return len(self.top) - 1
-
-
-def _program(problem: Problem, cache: dict | None, per_op: bool = False) -> _Program:
-  g = problem.graph
-  top = tuple(g.region_ops(0))
-  pos = dict(zip(map(operator.attrgetter("index"), top), range(len(top))))
-  live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
-                          dot_operands=problem.profile.dot_operand_fusion,
-                          copies=() if per_op else problem.view.copies)
-  lineup = Lineup.of(g, pos, () if per_op else problem.view.copies, problem.view.op_canon)
-  update = problem.update_ops
-  return _Program(graph=g, top=top, pos=pos, live=live, fused=fused,
-                  outputs=frozenset(g.outputs),
-                  carried=frozenset(g.outputs[k] for k, _ in g.carried),
-                  update=frozenset(lineup.ops_where(g, top, lambda op: op.index in update)),
-                  lineup=lineup, per_op=per_op)
-
-
-def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]]:
+def _conv_copies(problem: Problem, prog: LiveProgram) -> dict[int, dict[int, tuple]]:
   """Convolutions XLA runs only in canonical order read their other operands through
   transposed copies: conv op -> {operand or result: classes}."""
   if not problem.profile.canonical_convolutions:
@@ -239,7 +190,7 @@ def _conv_copies(problem: Problem, prog: _Program) -> dict[int, dict[int, tuple]
           if op.index in prog.live}
 
 
-def _last_readers(prog: _Program, update: UpdateReads, conv) -> dict[int, int]:
+def _last_readers(prog: LiveProgram, update: UpdateReads, conv) -> dict[int, int]:
   """value -> position of its last reader. A fused value is recomputed where it is
   read: what it is made of stays live until then. Readers come after producers, so
   walk backwards."""
@@ -264,7 +215,7 @@ def _last_readers(prog: _Program, update: UpdateReads, conv) -> dict[int, int]:
   return reach
 
 
-def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: UpdateReads,
+def _add_mapped(entries: Entries, problem: Problem, prog: LiveProgram, update: UpdateReads,
                 conv) -> dict[int, int]:
   """`_add_made` over the whole program, the interior copies' values that `template`
   maps from their representative's added without walking their ops."""
@@ -281,50 +232,17 @@ def _add_mapped(entries: Entries, problem: Problem, prog: _Program, update: Upda
   return merge(entries, at, own, mapped)
 
 
-class Entries:
-  """Entries of an `Activations` as they are found: one `add` per entry, so every field
-  stays one per entry (`activations` builds its record from them; a remat adds its
-  own with `Activations.with_entries`)."""
-
-  def __init__(self):
-    self.start: list[int] = []
-    self.stop: list[int] = []
-    self.nbytes: list[float] = []
-    self.values: list[int] = []
-    self.dims: list[tuple] = []
-    self.stored: list[tuple | None] = []
-    self.unless: list[tuple[int, ...]] = []
-    self.only: list[tuple[int, ...]] = []
-    self.as_stored: set[int] = set()  # entries whose bytes are already as stored
-
-  def add(self, start: int, stop: int, nbytes: float, value: int, dims, *,
-          stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = (),
-          as_stored: bool = False) -> int:
-    """Adds one entry; returns its index. `as_stored`: its bytes are padded already."""
-    if as_stored:
-      self.as_stored.add(len(self.start))
-    self.start.append(start)
-    self.stop.append(stop)
-    self.nbytes.append(nbytes)
-    self.values.append(value)
-    self.dims.append(tuple(dims))
-    self.stored.append(stored)
-    self.unless.append(unless)
-    self.only.append(only)
-    return len(self.start) - 1
-
-  def activations(self, problem: Problem, length: int,
-                  narrowed: frozenset[int] | set[int] = frozenset()) -> Activations:
-    """The record of these entries; `narrowed`: the entries the compiler stores in bf16."""
-    return Activations(np.array(self.start, int), np.array(self.stop, int),
-                       _as_stored(problem, self.nbytes, self.values, narrowed,
-                                  self.as_stored),
-                       tuple(self.dims),
-                       length, tuple(self.values), tuple(self.stored),
-                       tuple(self.unless), tuple(self.only))
+def _record(entries: Entries, problem: Problem, length: int,
+            narrowed: frozenset[int] | set[int] = frozenset()) -> Activations:
+  """The record of `entries`; `narrowed`: the entries the compiler stores in bf16."""
+  return Activations(np.array(entries.start, int), np.array(entries.stop, int),
+                     _as_stored(problem, entries.nbytes, entries.values, narrowed,
+                                entries.padded),
+                     tuple(entries.dims), length, tuple(entries.values),
+                     tuple(entries.stored), tuple(entries.unless), tuple(entries.only))
 
 
-def _add_made(entries: Entries, problem: Problem, prog: _Program, conv,
+def _add_made(entries: Entries, problem: Problem, prog: LiveProgram, conv,
               reach: Mapping[int, int], positions: Iterable[int],
               at: list[int] | None = None) -> dict[int, int]:
   """Adds every value the ops at `positions` (ascending) make, as they make it (and the
@@ -362,7 +280,7 @@ class _Made:
   layer make their values in their representative's classes: one `_made` per
   (representative op, output slot, value in the view, rank)."""
 
-  def __init__(self, problem: Problem, prog: _Program):
+  def __init__(self, problem: Problem, prog: LiveProgram):
     self.problem, self.prog, self.of, self.partial = problem, prog, {}, {}
 
   def classes(self, op, slot: int, v: int) -> tuple[int | None, ...] | None:
@@ -392,7 +310,7 @@ class _Made:
     return made
 
 
-def _cut_copies(problem: Problem, prog: _Program, v: int, sided) -> list[tuple[int, tuple]]:
+def _cut_copies(problem: Problem, prog: LiveProgram, v: int, sided) -> list[tuple[int, tuple]]:
   """(reader, classes) of v's copies read through a cut (sequence parallelism): each
   reader on the other side gets a transient copy in its layout (a norm's output
   gathered into a dot, a dot's result reduce-scattered for the residual add), live at
@@ -419,7 +337,7 @@ def _cut_copies(problem: Problem, prog: _Program, v: int, sided) -> list[tuple[i
   return out
 
 
-def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes) -> None:
+def _add_conv_copy(entries: Entries, prog: LiveProgram, op, j: int, v: int, classes) -> None:
   """XLA:CPU transposes a conv's operand as soon as it is made (the copy, not the
   value, is what the backward pass's weight-gradient conv keeps), and makes a
   non-canonical result canonical first, then transposes it."""
@@ -430,7 +348,7 @@ def _add_conv_copy(entries: Entries, prog: _Program, op, j: int, v: int, classes
   entries.add(made_at if v in op.inputs else j, j, g.types[v].nbytes, v, classes)
 
 
-def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradients,
+def _add_reductions(entries: Entries, problem: Problem, prog: LiveProgram, gradients,
                     own: Mapping[int, int], moved: Mapping[int, int] | None = None) -> None:
   """Where a split leaves them partial sums, the gradients' reductions are combined, in
   program order, up to the compiler's combine threshold, each combined reduction run
@@ -458,7 +376,7 @@ def _add_reductions(entries: Entries, problem: Problem, prog: _Program, gradient
         entries.add(a, b, g.types[x].nbytes, x, classes, only=partial)
 
 
-def _add_loop_bodies(entries: Entries, problem: Problem, prog: _Program) -> None:
+def _add_loop_bodies(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
   """What a loop's body writes out in one iteration, live at the loop's position (only
   a loop, whose representative has a body, writes out values of its body)."""
   g, canon = prog.graph, problem.view.op_canon
@@ -472,7 +390,7 @@ def _add_loop_bodies(entries: Entries, problem: Problem, prog: _Program) -> None
         entries.add(j, j, g.types[v].nbytes, v, made)
 
 
-def _add_gathered_inputs(entries: Entries, problem: Problem, prog: _Program) -> None:
+def _add_gathered_inputs(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
   """A parameter used in another layout than it is stored in (ZeRO): its gathered
   copy, from its first compute reader to its last."""
   g = prog.graph
@@ -488,7 +406,7 @@ def _add_gathered_inputs(entries: Entries, problem: Problem, prog: _Program) -> 
                 stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
 
 
-def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> None:
+def _add_donated_copies(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
   """A donated input's copy before its update (`_donated_copies`); gone where the
   batch is split (`unless`), and on a compiler that orders the readers first instead
   (`DeviceProfile.copies_donated_inputs`)."""
@@ -503,22 +421,23 @@ def _add_donated_copies(entries: Entries, problem: Problem, prog: _Program) -> N
 
 
 def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset(),
-               given=frozenset()) -> np.ndarray:
+               padded: Sequence[bool] = ()) -> np.ndarray:
   """Each entry's bytes as the compiler stores the whole value: padded
   (`cost.stored_bytes`; the padding of the unsplit value stands for its shards'), in
-  bf16 for the entries `narrowed` holds; those `given` as they are."""
+  bf16 for the entries `narrowed` holds; those `padded` marks as they are."""
   nbytes = np.array(nbytes, float)
   if not problem.profile.memory_tile and not narrowed:
     return nbytes
   types = problem.graph.types
+  padded = list(padded) + [False] * (len(nbytes) - len(padded))
   return np.array([b * costlib.stored_bytes(types[v].shape,
                                             2 if k in narrowed else types[v].itemsize,
                                             problem.profile)
-                   / types[v].nbytes if types[v].nbytes and k not in given else b
-                   for k, (b, v) in enumerate(zip(nbytes, values))], float)
+                   / types[v].nbytes if types[v].nbytes and not ready else b
+                   for k, (b, v, ready) in enumerate(zip(nbytes, values, padded))], float)
 
 
-def _narrowed(problem: Problem, prog: _Program, entries: Entries) -> set[int]:
+def _narrowed(problem: Problem, prog: LiveProgram, entries: Entries) -> set[int]:
   """The entries of f32 values the compiler writes out in bf16: where it runs a dot or
   a convolution at DEFAULT precision as one bf16 pass
   (`DeviceProfile.stores_dot_operands_in_bf16`), a value read only by such
@@ -536,26 +455,21 @@ def _narrowed(problem: Problem, prog: _Program, entries: Entries) -> set[int]:
           and (v not in inputs or entries.stored[k] is not None) and by_contractions(v)}
 
 
-def _read_by_contractions(prog: _Program, v: int) -> bool:
+def _read_by_contractions(prog: LiveProgram, v: int) -> bool:
   """Whether every live reader of v outside the state update is a DEFAULT-precision
   contraction, looking through the values its readers make that are fused into
   theirs (never written out). A value made inside the program and read by the update
   is not."""
-  g = prog.graph
-  todo, seen, dots = [v], {v}, 0
-  while todo:
-    x = todo.pop()
-    for c in g.consumers.get(x, ()):
-      if c not in prog.live or (c in prog.update and x in g.input_path):
-        continue  # dead, or the update of an input (reads the stored input, not a copy)
-      op = g.ops[c]
-      if ruleslib.default_precision_contraction(op):
-        dots += 1
-      elif op.outputs and all(w in prog.fused for w in op.outputs):
-        todo.extend(w for w in op.outputs if w not in seen)
-        seen.update(op.outputs)
-      else:
-        return False
+  g, dots = prog.graph, 0
+  for _, op in readers_through(
+      prog, v,
+      # The update of an input reads the stored input, not a copy.
+      skip=lambda c, x: c in prog.update and x in g.input_path,
+      through=lambda op: (not ruleslib.default_precision_contraction(op) and op.outputs
+                          and all(w in prog.fused for w in op.outputs))):
+    if not ruleslib.default_precision_contraction(op):
+      return False
+    dots += 1
   return dots > 0
 
 
@@ -638,7 +552,7 @@ def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
                        and problem.classes[fclass[f]].splittable}))
 
 
-def _donated_copies(prog: _Program) -> list[tuple[int, int, int]]:
+def _donated_copies(prog: LiveProgram) -> list[tuple[int, int, int]]:
   """(input, first reader, update) of each donated input XLA copies before its update.
 
   The next state is written into its input's buffer, so XLA's copy insertion keeps the
@@ -739,7 +653,7 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
 
 
-def _hand_over_in_place(prog: _Program, entries: Entries) -> None:
+def _hand_over_in_place(prog: LiveProgram, entries: Entries) -> None:
   """Ends an in-place op's operand one position early where the op is its last reader,
   so that its buffer and the op's result (the same memory) are not counted twice.
 

@@ -65,7 +65,8 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
-from tapas_jax.solver.live import Activations, Entries, loop_body_values
+from tapas_jax.solver.live import Activations, loop_body_values
+from tapas_jax.solver.live_program import Entries
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region, searched_instances

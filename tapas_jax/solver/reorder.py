@@ -1,7 +1,5 @@
 """Where the compiler runs ops away from program order, as the memory model reads it
 (`live.activations`' entries moved after they are added).
-
-`prog` below is `live._Program`, `entries` its `live.Entries`.
 """
 
 from __future__ import annotations
@@ -9,13 +7,14 @@ from __future__ import annotations
 from typing import Mapping
 
 from tapas_jax import rules as ruleslib
+from tapas_jax.solver.live_program import Entries, LiveProgram
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.update_reads import UpdateReads
 
 __all__ = ["glue_gradients_last"]
 
 
-def glue_gradients_last(entries, problem: Problem, prog,
+def glue_gradients_last(entries: Entries, problem: Problem, prog: LiveProgram,
                          update: UpdateReads, own: Mapping[int, int]) -> dict[int, int]:
   """Moves the weight gradients no layer holds to just before their first reader past
   the backward, or before the first loop after them (`DeviceProfile.
@@ -55,7 +54,8 @@ def glue_gradients_last(entries, problem: Problem, prog,
   return moved
 
 
-def _hold_until(entries, prog, own: Mapping[int, int], values, at: int) -> None:
+def _hold_until(entries: Entries, prog: LiveProgram, own: Mapping[int, int], values,
+                at: int) -> None:
   """What `values` are made of as written (through the fused values among them) lives
   until position `at` at least."""
   g, seen = prog.graph, set()

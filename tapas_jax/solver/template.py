@@ -21,57 +21,11 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from tapas_jax.solver.live_program import Entries, LiveProgram
+from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import Copies
 
-__all__ = ["Lineup", "Mapped", "Reach", "mapped_entries", "merge"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Lineup:
-  """Where a folded view's interior copies sit in the top-level program.
-
-  Attributes:
-    pos: op index -> program position (-1: not a top-level op).
-    layers: per unique layer with interior copies, (its representative's ops, the other
-      copies' ops: one row per copy, position for position).
-    outside: the positions of the ops in no such copy (the glue, the first and last
-      instance, the representative), ascending.
-    op_canon: the view's op -> the op standing for it (`View.op_canon`).
-  """
-
-  pos: np.ndarray
-  layers: tuple[tuple[np.ndarray, np.ndarray], ...]
-  outside: np.ndarray
-  op_canon: Mapping[int, int]
-
-  @classmethod
-  def of(cls, graph, pos: Mapping[int, int], copies: Iterable[Copies],
-         op_canon: Mapping[int, int]) -> Lineup:
-    at = np.full(len(graph.ops), -1)
-    at[np.fromiter(pos.keys(), int, len(pos))] = np.fromiter(pos.values(), int, len(pos))
-    layers = tuple((np.array(c.rep, int), np.array(c.ops, int)) for c in copies)
-    walk = np.ones(len(pos), bool)
-    for _, ops in layers:
-      walk[at[ops].ravel()] = False
-    return cls(at, layers, np.flatnonzero(walk), op_canon)
-
-  def where(self, graph, top, keep: Callable) -> list[int]:
-    """The positions of the top-level ops `keep(op)` holds for, ascending (see
-    `ops_where`)."""
-    return sorted(self.pos[np.array(self.ops_where(graph, top, keep), int)].tolist())
-
-  def ops_where(self, graph, top, keep: Callable) -> list[int]:
-    """The top-level ops `keep(op)` holds for, in no order, each op asked as the op
-    standing for it (`keep` may ask only what a fingerprint fixes of a copy: the
-    primitive, params and types, or what the view maps copies onto)."""
-    canon = self.op_canon
-    found = [i for j in self.outside.tolist()
-             if keep(graph.ops[canon[i]] if (i := top[j].index) in canon else top[j])]
-    for rep, ops in self.layers:
-      slots = [k for k, i in enumerate(rep.tolist()) if keep(graph.ops[i])]
-      if slots:
-        found += ops[:, slots].ravel().tolist()
-    return found
+__all__ = ["Mapped", "Reach", "mapped_entries", "merge"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +35,9 @@ class Mapped:
   Attributes:
     skip: program positions of those ops (they add exactly these entries).
     at: per entry, the position of the op adding it (the order to merge in).
-    start, stop, nbytes, values: per entry, as `live.Entries` holds them.
+    start, stop, nbytes, values: per entry, as `Entries` holds them.
     dims: per entry, the classes it is made over.
-    stored: per entry, as `live.Entries` holds it (a copy read through a cut: the
+    stored: per entry, as `Entries` holds it (a copy read through a cut: the
       classes the value is made over).
   """
 
@@ -101,14 +55,14 @@ class Reach:
   """`live._last_readers` asked value by value, for the values the direct walk adds:
   `get(v, default)` is the position of v's last reader (through the fused values its
   readers make), found from v's readers and kept; `readers(v)`: the ops counted as
-  reading v. `prog`, `update`, `conv`: `live._Program`, `update_reads.UpdateReads` and the
-  convolutions' transposed copies; `canon`: the view's value -> the value standing for
-  it. `known`: a representative's value -> (its layer's copies' ops, the position in
-  them of its last reader, -1 for none), where every copy's is the representative's
-  (`mapped_entries` fills it): a copy's value is not walked from.
+  reading v. `conv`: the convolutions' transposed copies; `canon`: the view's value ->
+  the value standing for it. `known`: a representative's value -> (its layer's copies'
+  ops, the position in them of its last reader, -1 for none), where every copy's is
+  the representative's (`mapped_entries` fills it): a copy's value is not walked from.
   """
 
-  def __init__(self, prog, update, conv, canon: Mapping[int, int]):
+  def __init__(self, prog: LiveProgram, update: UpdateReads, conv,
+               canon: Mapping[int, int]):
     self.prog, self.update, self.conv, self.canon = prog, update, conv, canon
     self.at: dict[int, int] = {}  # value -> position (-1: no reader counts)
     self.known: dict[int, tuple[np.ndarray, int]] = {}
@@ -168,8 +122,9 @@ class Reach:
     return default if at < 0 else at
 
 
-def merge(entries, at: list[int], own: dict[int, int], mapped: Mapped) -> dict[int, int]:
-  """Merges the mapped entries into the walked ones (`live.Entries`, each entry's op
+def merge(entries: Entries, at: list[int], own: dict[int, int], mapped: Mapped
+          ) -> dict[int, int]:
+  """Merges the mapped entries into the walked ones (each entry's op
   position in `at`), in program order as one walk over every op adds them; returns
   `own` (value -> its entry as made) with the mapped values', renumbered."""
   if not len(mapped.at):
@@ -182,7 +137,8 @@ def merge(entries, at: list[int], own: dict[int, int], mapped: Mapped) -> dict[i
   for field, extra in (("start", mapped.start.tolist()), ("stop", mapped.stop.tolist()),
                        ("nbytes", mapped.nbytes.tolist()), ("values", values),
                        ("dims", list(mapped.dims)), ("stored", list(mapped.stored)),
-                       ("unless", [()] * blank), ("only", [()] * blank)):
+                       ("unless", [()] * blank), ("only", [()] * blank),
+                       ("padded", [False] * blank)):
     merged = take(getattr(entries, field) + extra)
     setattr(entries, field, list(merged) if len(order) > 1 else [merged])
   index = np.empty(len(order), int)
@@ -199,13 +155,13 @@ def _mask(ids: Iterable[int], size: int) -> np.ndarray:
   return out
 
 
-def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list[int]],
+def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callable[[int], list[int]],
                    reach: Callable[[int], int], made: Callable[[object, int, int], tuple | None],
                    feeding, delivered: Mapping, unmapped: Iterable[int], cuts,
                    known: dict | None = None) -> Mapped:
   """The made entries of the interior copies' ops whose values can be mapped.
 
-  `prog` is `live._Program`; `readers(v)`: the ops counted as reading v (live, not
+  `readers(v)`: the ops counted as reading v (live, not
   fed into the update, ...); `reach(v)`: v's last reader's position (-1: none);
   `made(op, slot, v)`: the classes v is written over, None where `_add_made` adds no
   entry for it; `unmapped`: ops whose neighbourhood the walk treats apart (a
@@ -237,7 +193,7 @@ def mapped_entries(prog, copies: Iterable[Copies], readers: Callable[[int], list
                 *(tuple(d for p in parts for d in p[k]) for k in (6, 7)))
 
 
-def _layer(prog, c: Copies, pos, op_flags, readers, reach, made, cuts, known):
+def _layer(prog: LiveProgram, c: Copies, pos, op_flags, readers, reach, made, cuts, known):
   """(skip, at, start, stop, nbytes, values, dims, stored) of one unique layer's
   copies, or None where none is mapped."""
   g = prog.graph

@@ -1,10 +1,8 @@
 """What the state update reads of the rest of the program (`live.activations`' view of
 the optimizer): the values it is delivered, the ops fused into it, the gradients XLA
 reduces. Found from the values the update reads, not by walking every op: flat in
-depth where the view folds the layers (`live._Program.per_op` walks every op, the
+depth where the view folds the layers (`LiveProgram.per_op` walks every op, the
 reference).
-
-`prog` below is `live._Program`: the top-level program as the memory model reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from tapas_jax.solver.live_program import LiveProgram
 from tapas_jax.solver.problem import Problem
 
 __all__ = ["UpdateReads"]
@@ -40,13 +39,13 @@ class UpdateReads:
   gradients: Mapping[int, tuple[tuple[int, ...], int]]
 
   @classmethod
-  def of(cls, problem: Problem, prog) -> UpdateReads:
+  def of(cls, problem: Problem, prog: LiveProgram) -> UpdateReads:
     delivered = _delivered(problem, prog)
     feeding = _feeding(prog, delivered, None if prog.per_op else _may_feed(prog, delivered))
     return cls(delivered, feeding, _gradients(prog, delivered, feeding))
 
 
-def _delivered(problem: Problem, prog) -> dict[int, tuple[tuple[int, ...], int]]:
+def _delivered(problem: Problem, prog: LiveProgram) -> dict[int, tuple[tuple[int, ...], int]]:
   g, pos, live, update = prog.graph, prog.pos, prog.live, prog.update
   vcanon = problem.view.canon
   delivered = {}
@@ -61,7 +60,7 @@ def _delivered(problem: Problem, prog) -> dict[int, tuple[tuple[int, ...], int]]
   return delivered
 
 
-def _standing_for(prog, copies, values) -> list[int]:
+def _standing_for(prog: LiveProgram, copies, values) -> list[int]:
   """The values live top-level ops make that `values` stand for in the view: each
   made outside the interior copies itself, and the copies' of the representative's,
   in program order (op by op, output by output)."""
@@ -76,7 +75,7 @@ def _standing_for(prog, copies, values) -> list[int]:
   return [w for _, _, w in sorted(made)]
 
 
-def _feeding(prog, delivered, among: Iterable[int] | None = None) -> set[int]:
+def _feeding(prog: LiveProgram, delivered, among: Iterable[int] | None = None) -> set[int]:
   """The feeding ops (see `UpdateReads`), looked for among `among` (default: every
   top-level op), from the last back: an op is feeding where each value it makes feeds
   the update (`_feeds`), which asks of its readers only, decided before it."""
@@ -94,7 +93,7 @@ def _feeding(prog, delivered, among: Iterable[int] | None = None) -> set[int]:
   return feeding
 
 
-def _feeds(prog, delivered, feeding: set[int], w: int) -> bool:
+def _feeds(prog: LiveProgram, delivered, feeding: set[int], w: int) -> bool:
   """Whether value `w` feeds the update: delivered to it, or fused and read only by
   feeding (or dead) ops."""
   if w in delivered:
@@ -107,7 +106,7 @@ def _feeds(prog, delivered, feeding: set[int], w: int) -> bool:
   return True
 
 
-def _may_feed(prog, delivered) -> set[int]:
+def _may_feed(prog: LiveProgram, delivered) -> set[int]:
   """The ops that can be feeding: those making a delivered value and, back from them,
   those making a fused value one of these reads. (A feeding op's outputs are each
   delivered or fused, and a fused value has a live reader, which must then be feeding
@@ -126,7 +125,7 @@ def _may_feed(prog, delivered) -> set[int]:
   return out
 
 
-def _gradients(prog, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
+def _gradients(prog: LiveProgram, delivered, feeding) -> dict[int, tuple[tuple[int, ...], int]]:
   pos, update = prog.pos, prog.update
   producer, types, ops = prog.graph.producer, prog.graph.types, prog.graph.ops
   gradients: dict[int, tuple[tuple[int, ...], int]] = {}

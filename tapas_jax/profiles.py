@@ -93,13 +93,15 @@ class DeviceProfile:
       centred activations are.
     dot_operand_fusion: whether the compiler reads elementwise chains inside a dot's
       own fusion (where that reads no more bytes), recomputes transcendental ops in
-      each reader, makes a one-hot scatter-add a select, and computes a dot read once
+      each reader, makes a one-hot scatter-add a select, computes a dot read once
       by a sum inside the sum's fusion, its operands kept until then
-      (`fusion.fused_values`).
+      (`fusion.fused_values`), and a dot with the elementwise chain after it that
+      converges on one value the next dots read (`fusion.dot_epilogues`).
       The TPU compiler does (libtpu 0.0.42.1, read off its HLO for LLaMA-3-8B: a
       norm's output and the logits' cotangent are never written; BENCHMARKS.md
-      "Predicted vs TPU-compiled memory at real scale"); XLA:CPU and the GPU
-      profiles are modelled without it.
+      "Predicted vs TPU-compiled memory at real scale"; for the small ViT: the
+      GELU's backward and its dot one fusion, "The GELU's backward in one fusion");
+      XLA:CPU and the GPU profiles are modelled without it.
     all_gather_as_all_reduce_above: the largest replica group the compiler runs an
       all-gather over as one; over more devices it writes the shard into a zero-filled
       buffer of the gathered size (`dynamic-update-slice`) and all-reduces that: an

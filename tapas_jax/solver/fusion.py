@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from tapas_jax.trace import Graph, Op
 if TYPE_CHECKING:
   from tapas_jax.solver.views import Copies
 
-__all__ = ["fused_values", "fuses_into", "live_ops", "top_level"]
+__all__ = ["TopLevel", "dot_epilogues", "fused_values", "fuses_into", "live_ops", "top_level"]
 
 
 def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = None
@@ -50,13 +50,29 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
   return live
 
 
+class TopLevel(NamedTuple):
+  """What XLA keeps of the top-level program (`top_level`).
+
+  Attributes:
+    live: the ops some output depends on (`live_ops`).
+    fused: the values never written out (`fused_values`, and with `dot_operands` the
+      contractions' epilogues: `dot_epilogues`).
+    side_reductions: reductions the compiler computes inside the fusion making their
+      operand, as a second output (an epilogue's bias-gradient sum): their operand's
+      readers as written do not include them.
+  """
+
+  live: set[int]
+  fused: set[int]
+  side_reductions: frozenset[int] = frozenset()
+
+
 def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: bool = True,
-              dot_operands: bool = False, copies: Sequence[Copies] = ()
-              ) -> tuple[set[int], set[int]]:
-  """(`live_ops`, `fused_values`) of the top-level program, kept in `cache` (a search's
-  table cache) so that the cost tables and the memory model, and every problem of one
-  search, walk the program once. Read-only: callers must not change the sets.
-  `copies` (a folded view's `View.copies`) only makes it faster: the same sets.
+              dot_operands: bool = False, copies: Sequence[Copies] = ()) -> TopLevel:
+  """`TopLevel` of the program, kept in `cache` (a search's table cache) so that the
+  cost tables and the memory model, and every problem of one search, walk the program
+  once. Read-only: callers must not change the sets. `copies` (a folded view's
+  `View.copies`) only makes it faster: the same sets.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -70,8 +86,12 @@ def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: 
   def build():
     top = graph.region_ops(0)
     live = live_ops(graph, top)
-    return live, fused_values(graph, top, live, reductions_duplicate=reductions_duplicate,
-                              dot_operands=dot_operands, copies=copies)
+    fused = fused_values(graph, top, live, reductions_duplicate=reductions_duplicate,
+                         dot_operands=dot_operands, copies=copies)
+    if not dot_operands:
+      return TopLevel(live, fused)
+    values, sides = dot_epilogues(graph, top, live)
+    return TopLevel(live, fused | values, frozenset(sides))
 
   return memo(cache, ("fusion", reductions_duplicate, dot_operands), (graph,), build)
 
@@ -265,6 +285,98 @@ def _sum_fusing(graph: Graph, v: int, live: set[int], fused: set[int]) -> int | 
     x = r.outputs[0]
     if x not in fused:
       return total
+
+
+# The most values one epilogue fusion is seen to take (the tanh GELU's backward: 9).
+_EPILOGUE_LIMIT = 32
+
+
+def dot_epilogues(graph: Graph, top: Sequence[Op], live: set[int]
+                  ) -> tuple[set[int], set[int]]:
+  """(values never written, reductions taken in as second outputs) of the top-level
+  contractions the TPU compiler computes inside the elementwise chain after them.
+
+  A contraction result whose elementwise readers (maps, not layout moves) all converge,
+  through elementwise ops only, on one value read by something else (the chain's one
+  exit: a dot, a convolution) is computed in one fusion with the chain: the result and
+  every value of the chain but the exit are never written, and a reduction reading a
+  value of the chain is a second output of that fusion. Read off the TPU compiler's
+  HLO of the small ViT (BENCHMARKS.md, "The GELU's backward in one fusion"): the MLP's
+  backward `dy @ W2.T`, the tanh GELU's derivative (two branches of muls joined by
+  `add_any`s) and the bias gradient's sum are one fusion whose one large output is the
+  chain's exit. Only the backward's chains: a forward value the loss reduces and the
+  backward reads (a patch convolution's relu, a `tanh` summed) was seen written. A
+  chain with two exits (SwiGLU's gate and up gradients), one that reaches a program
+  output (an optimizer update) or that reads back a reduction of its own (a softmax's
+  backward) is left as `fused_values` decides it.
+  """
+  values: set[int] = set()
+  sides: set[int] = set()
+  outputs = set(graph.outputs)
+  for op in top:
+    if (op.index not in live or len(op.outputs) != 1 or op.subregions
+        or not ruleslib.facts(op.primitive).contracts or not jx.is_transposed(op.name_stack)):
+      continue
+    found = _epilogue(graph, op.outputs[0], live, outputs)
+    if found is not None:
+      values |= found[0]
+      sides |= found[1]
+  return values, sides
+
+
+def _epilogue(graph: Graph, t: int, live: set[int], outputs: set[int]
+              ) -> tuple[set[int], set[int]] | None:
+  """(the chain's values but its exit, its reductions) of contraction result t, or None."""
+  chain, order, exits, sides = {t}, [t], set(), set()
+  for x in order:  # grows as readers are found
+    for c in graph.consumers.get(x, ()):
+      if c not in live:
+        continue
+      r = graph.ops[c]
+      f = ruleslib.facts(r.primitive)
+      if r.subregions:
+        exits.add(x)
+      elif f.fusion_root:
+        sides.add(c)
+      elif (f.fusible and not f.moves and not f.contracts and len(r.outputs) == 1
+            and jx.is_transposed(r.name_stack)):
+        if r.outputs[0] not in chain:
+          chain.add(r.outputs[0])
+          order.append(r.outputs[0])
+      else:
+        exits.add(x)
+    if len(order) > _EPILOGUE_LIMIT:
+      return None
+  if len(exits) != 1 or t in exits or not chain.isdisjoint(outputs):
+    return None
+  (exit,) = exits
+  # The exit is the next contractions' operand (with the chain's reductions).
+  if not all(ruleslib.facts(graph.ops[c].primitive).contracts
+             for c in graph.consumers.get(exit, ()) if c in live and c not in sides):
+    return None
+  # A reduction the chain itself reads back (a softmax's max and sum) needs a pass of
+  # its own: the chain is split there, its values written (the logits are).
+  made_in_chain = {graph.producer[x] for x in chain if x in graph.producer}
+  if any(_feeds_back(graph, c, made_in_chain, live) for c in sides):
+    return None
+  return chain - exits, sides
+
+
+def _feeds_back(graph: Graph, reduction: int, chain_ops: set[int], live: set[int]) -> bool:
+  """Whether a reduction's result reaches an op of the chain through fusible ops and
+  reductions."""
+  todo, seen = list(graph.ops[reduction].outputs), set()
+  while todo:
+    for c in graph.consumers.get(todo.pop(), ()):
+      if c in chain_ops:
+        return True
+      r = graph.ops[c]
+      f = ruleslib.facts(r.primitive)
+      if (c in live and c not in seen and (f.fusible or f.fusion_root)
+          and not r.subregions and len(seen) < _EPILOGUE_LIMIT):
+        seen.add(c)
+        todo.extend(r.outputs)
+  return False
 
 
 def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:

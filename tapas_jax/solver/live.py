@@ -463,8 +463,9 @@ def _read_by_contractions(prog: LiveProgram, v: int) -> bool:
   g, dots = prog.graph, 0
   for _, op in readers_through(
       prog, v,
-      # The update of an input reads the stored input, not a copy.
-      skip=lambda c, x: c in prog.update and x in g.input_path,
+      # The update of an input reads the stored input, not a copy; a reduction inside
+      # the fusion making x reads it there, before it is written.
+      skip=lambda c, x: (c in prog.update and x in g.input_path) or c in prog.side_reductions,
       through=lambda op: (not ruleslib.default_precision_contraction(op) and op.outputs
                           and all(w in prog.fused for w in op.outputs))):
     if not ruleslib.default_precision_contraction(op):

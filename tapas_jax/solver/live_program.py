@@ -81,6 +81,8 @@ class LiveProgram:
     pos: op index -> position in `top`.
     live: top-level ops some output depends on.
     fused: values XLA never writes out (recomputed in their readers).
+    side_reductions: reductions computed inside the fusion making their operand
+      (`fusion.TopLevel`).
     outputs: the program's outputs; carried: the next values of carried state.
     update: top-level ops of the state update (by the op standing for them).
     lineup: where the view's interior copies sit (`template.Lineup`): the steps ask an
@@ -95,6 +97,7 @@ class LiveProgram:
   pos: Mapping[int, int]
   live: frozenset[int] | set[int]
   fused: frozenset[int] | set[int]
+  side_reductions: frozenset[int]
   outputs: frozenset[int]
   carried: frozenset[int]
   update: frozenset[int]
@@ -110,16 +113,17 @@ def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> 
   g = problem.graph
   top = tuple(g.region_ops(0))
   pos = dict(zip(map(operator.attrgetter("index"), top), range(len(top))))
-  live, fused = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
-                          dot_operands=problem.profile.dot_operand_fusion,
-                          copies=() if per_op else problem.view.copies)
+  kept = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
+                   dot_operands=problem.profile.dot_operand_fusion,
+                   copies=() if per_op else problem.view.copies)
   lineup = Lineup.of(g, pos, () if per_op else problem.view.copies, problem.view.op_canon)
   update = problem.update_ops
-  return LiveProgram(graph=g, top=top, pos=pos, live=live, fused=fused,
-                  outputs=frozenset(g.outputs),
-                  carried=frozenset(g.outputs[k] for k, _ in g.carried),
-                  update=frozenset(lineup.ops_where(g, top, lambda op: op.index in update)),
-                  lineup=lineup, per_op=per_op)
+  return LiveProgram(graph=g, top=top, pos=pos, live=kept.live, fused=kept.fused,
+                     side_reductions=kept.side_reductions, outputs=frozenset(g.outputs),
+                     carried=frozenset(g.outputs[k] for k, _ in g.carried),
+                     update=frozenset(lineup.ops_where(g, top,
+                                                       lambda op: op.index in update)),
+                     lineup=lineup, per_op=per_op)
 
 
 class Entries:

@@ -638,7 +638,7 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   """(ops XLA removes, values that never reach memory) of the top level and of every
   scan body the view searches (a body fuses as the top level does)."""
   g = problem.graph
-  live, fused = top_level(g, cache, copies=problem.view.copies)
+  live, fused, _ = top_level(g, cache, copies=problem.view.copies)
   dead = set(map(operator.attrgetter("index"), g.region_ops(0))) - live
   if not problem.view.loops:
     return frozenset(dead), frozenset(fused)

@@ -309,6 +309,20 @@ def dot_epilogues(graph: Graph, top: Sequence[Op], live: set[int]
   chain with two exits (SwiGLU's gate and up gradients), one that reaches a program
   output (an optimizer update) or that reads back a reduction of its own (a softmax's
   backward) is left as `fused_values` decides it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tapas_jax import trace
+    >>> def grads(w1, w2, x):  # an MLP's weight gradients; its GELU's backward is a chain
+    ...   loss = lambda w1, w2: jnp.sum(jax.nn.gelu(x @ w1, approximate=True) @ w2)
+    ...   return jax.grad(loss, argnums=(0, 1))(w1, w2)
+    >>> s = jax.ShapeDtypeStruct
+    >>> g = trace.trace(grads, s((16, 64), jnp.float32), s((64, 16), jnp.float32),
+    ...                 s((8, 16), jnp.float32))
+    >>> top = g.region_ops(0)
+    >>> values, _ = dot_epilogues(g, top, live_ops(g, top))
+    >>> sorted({g.ops[g.producer[v]].primitive for v in values})
+    ['add_any', 'dot_general', 'mul']
   """
   values: set[int] = set()
   sides: set[int] = set()

@@ -99,9 +99,10 @@ def test_only_the_exit_is_written_and_held_in_bf16():
 
 def test_the_small_vit_agrees_with_the_tpu_compiler(libtpu, monkeypatch):
   # The small ViT (real widths, two blocks) at batch 8 on v5p:2x2x1, its searched plan
-  # and FSDP, against the compiler's live peak (libtpu 0.0.42.1): 1.06 and 1.07 with
-  # the GELU's backward fused into its dot, 1.12 and 1.12 with its chain written
-  # (BENCHMARKS.md, "The GELU's backward in one fusion").
+  # and FSDP, against the compiler's live peak: with the GELU's backward fused into its
+  # dot 1.06 and 1.07 on libtpu 0.0.42.1, 0.95 and 1.02 on 0.0.50.1; with its chain
+  # written 1.12 and 1.12, 1.00 and 1.07 (BENCHMARKS.md, "The GELU's backward in one
+  # fusion"): within 10% with the rule on both, and the rule only takes what is there.
   del libtpu
   config, trimmed = models.SMALL["vit"]
   m = models.get_model("vit", config, **trimmed)
@@ -118,8 +119,8 @@ def test_the_small_vit_agrees_with_the_tpu_compiler(libtpu, monkeypatch):
                 baselines.baseline(layout, *args, mesh=mesh, family="vit", device="tpu-v5p"))
       ratios[on, layout] = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1",
                                         donate_argnums=0).live_ratio
-  assert all(0.9 <= ratios[True, k] <= 1.1 < ratios[False, k] for k in ("tapas", "fsdp")), \
-      ratios
+  assert all(0.9 <= ratios[True, k] <= 1.1 and ratios[True, k] < ratios[False, k]
+             for k in ("tapas", "fsdp")), ratios
 
 
 @pytest.mark.parametrize("device", ["tpu-v5p", "h100"])

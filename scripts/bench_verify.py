@@ -10,7 +10,11 @@ The zoo at its tiny configs on a v5p:2x2x1 topology, and at its small ones
       --batch=64 --layouts=data_parallel,fsdp,megatron
 
 Each row: predicted and compiled memory, and bytes sent per device (predicted by the
-cost model; compiled: the TPU HLO's collectives by kind, counted as compiled).
+cost model; compiled: the TPU HLO's collectives by kind, counted as compiled). With
+`--dumps`, also the peak of live buffers that the compiler's own live-range dump lists
+(`scripts/tpu_peak.py`), which does not move with the heap's packing as
+`peak_memory_in_bytes` does between libtpu releases (BENCHMARKS.md, "Two compilers, one
+live set").
 
 LLaMA-3-8B at MaxText's recipe shape (seq 8192, 3 per chip, bf16 compute, f32 weights,
 adamw, chunked attention), mesh data 8 x model 8 on v5p:4x4x4, with the compiler's
@@ -25,6 +29,8 @@ Needs libtpu: pip install 'tapas_jax[tpu]'.
 
 import argparse
 import os
+import shutil
+import tempfile
 import time
 import warnings
 
@@ -33,6 +39,8 @@ import jax
 import tapas_jax as tapas
 from tapas_jax import baselines, measure, models
 from tapas_jax.verify import USABLE_HBM, tpu_mesh
+
+import tpu_peak  # scripts/ is on the path when a script runs
 
 
 def _plan(layout, args, mesh, family, device):
@@ -58,8 +66,9 @@ def zoo(a, mesh):
         f"batch {a.batch}; profile {a.device}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
         "pred / comp | live MiB | pred / live | predicted sent KiB | compiled sent KiB ("
-        + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |"
+        + (" dump's peak MiB | pred / dump's |" if a.dumps else ""))
+  print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.dumps else ""))
   families = a.families or ",".join(models.SMALL if a.zoo_config == "small"
                                     else models.FAMILIES)
   for family in families.split(","):
@@ -73,9 +82,16 @@ def zoo(a, mesh):
       except Exception as e:  # noqa: BLE001 - a row per failure, the table goes on
         print(f"| {family} | {layout} | planning failed: {type(e).__name__} | | | | | | | | |")
         continue
+      folder = tempfile.mkdtemp(prefix="bench_verify_") if a.dumps else None
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = tapas.verify(plan, args[0], *args[1:], topology=a.topology, donate_argnums=0)
+        r = tapas.verify(plan, args[0], *args[1:], topology=a.topology, donate_argnums=0,
+                         compiler_options={"xla_dump_to": folder} if folder else None)
+      dumped = ""
+      if folder:  # the peak the compiler's own live-range dump lists
+        own = tpu_peak.listed(folder)[0]
+        dumped = f" {own / 2**20:.2f} | {r.predicted_memory_bytes / own:.2f} |"
+        shutil.rmtree(folder, ignore_errors=True)
       sent = r.comm_bytes.get("total", 0.0)
       kinds = ", ".join(f"{short} {r.comm_bytes.get(kind, 0.0) / 2**10:.1f}"
                         for kind, short in _SHORT.items() if r.comm_bytes.get(kind))
@@ -85,7 +101,7 @@ def zoo(a, mesh):
             f"{r.predicted_comm_bytes / 2**10:.1f} | {sent / 2**10:.1f}"
             f"{f' ({kinds})' if kinds else ''} | "
             f"{r.predicted_comm_bytes / sent if sent else float('nan'):.2f} | "
-            f"{r.compile_s:.1f} |", flush=True)
+            f"{r.compile_s:.1f} |{dumped}", flush=True)
 
 
 def real(a, mesh):
@@ -170,6 +186,9 @@ def main():
   p.add_argument("--per_device_batch", type=int, default=3)
   p.add_argument("--scan", action="store_true")
   p.add_argument("--dump", default=None, help="folder for the compiled TPU HLO (--real)")
+  p.add_argument("--dumps", action="store_true",
+                 help="zoo: a column more, the peak the compiler's live-range dump lists "
+                 "(scripts/tpu_peak.py), beside `peak_memory_in_bytes`")
   a = p.parse_args()
   a.topology = a.topology or ("v5p:4x4x4" if a.real else "v5p:2x2x1")
   a.mesh = a.mesh or ("data:8,model:8" if a.real else "data:2,model:2")

@@ -91,6 +91,28 @@ def on_chip(folder: str) -> np.ndarray:
   return _curve(_buffers(folder, on_chip=True))
 
 
+def listed(folder: str) -> tuple[float, int, float, float]:
+  """The compiler's own figures in its dumps: (the peak its live-range dump lists, at
+  which program point, the bytes of the arguments' allocations, the bytes of the
+  preallocated temporaries' allocation in HBM)."""
+  def one(pattern):
+    return open(glob.glob(os.path.join(folder, pattern))[0]).read()
+  ranges = one("*after_optimizations-live-range.txt")
+  point = re.search(r"Live ranges at (\d+) \(peak\)", ranges)
+  total = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", ranges)
+  args = temp = 0.0
+  for m in re.finditer(r"^allocation \d+: size (\d+), (.*)$", one(
+      "*after_optimizations-buffer-assignment.txt"), re.M):
+    if "color" in m.group(2):  # another memory space than HBM
+      continue
+    if "parameter" in m.group(2):
+      args += int(m.group(1))
+    elif "preallocated-temp" in m.group(2):
+      temp += int(m.group(1))
+  return (float(total.group(1).replace(" ", "")) if total else float("nan"),
+          int(point.group(1)) if point else -1, args, temp)
+
+
 def _curve(spans) -> np.ndarray:
   """Bytes live at each program point, of (start, end, size, ...) spans, ends included."""
   delta = np.zeros(max((end for _, end, *_ in spans), default=0) + 2)
@@ -138,6 +160,10 @@ def main():
   total, at, here = peak(folder, a.top)
   print(f"HBM peak rebuilt from the dumps: {total / 2**20:.2f} MiB at program point {at} "
         f"(every buffer on its own: {apart / 2**20:.2f} MiB at {at_apart})")
+  own, own_at, args, temp = listed(folder)
+  print(f"the compiler's own live-range dump: peak {own / 2**20:.2f} MiB at point {own_at}; "
+        f"allocations: arguments {args / 2**20:.2f} MiB + temporaries {temp / 2**20:.2f} MiB"
+        f" = {(args + temp) / 2**20:.2f} MiB")
   chip = on_chip(folder)
   print(f"on chip (S(1), not in the HBM peak): "
         f"{(chip[at] if at < len(chip) else 0.0) / 2**20:.2f} MiB at point {at}, "

@@ -420,8 +420,8 @@ def _add_donated_copies(entries: Entries, problem: Problem, prog: LiveProgram) -
                 unless=batch)
 
 
-def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset(),
-               padded: Sequence[bool] = ()) -> np.ndarray:
+def _as_stored(problem: Problem, nbytes, values, narrowed: frozenset[int] | set[int],
+               padded: Sequence[bool]) -> np.ndarray:
   """Each entry's bytes as the compiler stores the whole value: padded
   (`cost.stored_bytes`; the padding of the unsplit value stands for its shards'), in
   bf16 for the entries `narrowed` holds; those `padded` marks as they are."""
@@ -429,12 +429,12 @@ def _as_stored(problem: Problem, nbytes, values, narrowed=frozenset(),
   if not problem.profile.memory_tile and not narrowed:
     return nbytes
   types = problem.graph.types
-  padded = list(padded) + [False] * (len(nbytes) - len(padded))
   return np.array([b * costlib.stored_bytes(types[v].shape,
                                             2 if k in narrowed else types[v].itemsize,
                                             problem.profile)
                    / types[v].nbytes if types[v].nbytes and not ready else b
-                   for k, (b, v, ready) in enumerate(zip(nbytes, values, padded))], float)
+                   for k, (b, v, ready) in enumerate(zip(nbytes, values, padded, strict=True))],
+                  float)
 
 
 def _narrowed(problem: Problem, prog: LiveProgram, entries: Entries) -> set[int]:

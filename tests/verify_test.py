@@ -7,6 +7,7 @@ cannot be loaded they skip, saying so.
 import dataclasses
 import importlib
 import math
+import pathlib
 import sys
 
 import jax
@@ -118,6 +119,24 @@ def test_tpu_figures_are_a_direct_tpu_compile(libtpu):
   assert record.hbm_source == "compiler" and record.fits and record.alias_bytes > 0
   assert record.comm_bytes["all-gather"] > 0  # FSDP gathers its parameters
   assert record.comm_bytes[measure.SLICED] == 0  # counted as compiled
+
+
+def test_the_tpu_compilers_dumps_are_read_as_it_reports_them(libtpu, tmp_path, monkeypatch):
+  # scripts/tpu_peak.py reads the compiler's own figures from its dumps: the arguments'
+  # allocations are what memory_analysis() counts as arguments; the temporaries' heap is
+  # within memory_analysis()'s temp (which holds more, BENCHMARKS "What memory_analysis
+  # counts"); the live-range dump names its peak and where it is.
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+  tpu_peak = importlib.import_module("tpu_peak")
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plan = baselines.baseline("fsdp", *args, mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  record = tapas.verify(plan, args[0], *args[1:], topology="v5p:2x2x1", donate_argnums=0,
+                        compiler_options={"xla_dump_to": str(tmp_path)})
+  peak, point, arguments, temporaries = tpu_peak.listed(str(tmp_path))
+  assert arguments == record.argument_bytes
+  assert 0 < temporaries <= record.temp_bytes
+  assert peak > 0 and point >= 0
 
 
 def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):

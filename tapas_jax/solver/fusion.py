@@ -258,8 +258,8 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
   skip = np.zeros(len(graph.ops), bool)
   mapped = []
   for c in copies:
-    rep, ops = np.array(c.rep, int), np.array(c.ops, int)
-    rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
+    rep, ops = np.array(c.rep, int), c.op_rows
+    rep_values, values = np.array(c.rep_values, int), c.value_rows
     if not rep_values.size or not all((m[ops] == m[rep]).all()
                                       for m in (live_mask, reduction_mask)):
       continue

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Mapping
 
-import numpy as np
-
 from tapas_jax.solver.live_program import LiveProgram
 from tapas_jax.solver.problem import Problem
 
@@ -69,7 +67,7 @@ def _standing_for(prog: LiveProgram, copies, values) -> list[int]:
   for c in copies:
     cols = [s for s, v in enumerate(c.rep_values) if v in found]
     if cols:
-      found.update(np.array(c.values, int)[:, cols].ravel().tolist())
+      found.update(c.value_rows[:, cols].ravel().tolist())
   made = [(pos[p], g.ops[p].outputs.index(w), w) for w in found
           if (p := g.producer.get(w)) in pos and p in prog.live]
   return [w for _, _, w in sorted(made)]

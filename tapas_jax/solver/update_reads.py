@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from tapas_jax.solver.live_program import LiveProgram
 from tapas_jax.solver.problem import Problem
 
@@ -79,8 +81,12 @@ def _feeding(prog: LiveProgram, delivered, among: Iterable[int] | None = None) -
   the update (`_feeds`), which asks of its readers only, decided before it."""
   feeding: set[int] = set()
   live, update = prog.live, prog.update
-  ops = (reversed(prog.top) if among is None else
-         map(prog.graph.ops.__getitem__, sorted(among, key=prog.pos.__getitem__, reverse=True)))
+  if among is None:
+    ops = reversed(prog.top)
+  else:  # the last first, sorted on the lineup's positions (an array: no key per op)
+    index = np.fromiter(among, np.int64, len(among))
+    ops = map(prog.graph.ops.__getitem__,
+              index[np.argsort(prog.lineup.pos[index])[::-1]].tolist())
   for op in ops:
     if op.index in live and op.outputs and op.index not in update:
       for w in op.outputs:  # a loop, not a generator per op (every copy's ops are asked)

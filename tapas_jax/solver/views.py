@@ -212,6 +212,30 @@ def searched_instances(instances: tuple[int, ...]) -> tuple[int, ...]:
   return instances[0], interior[len(interior) // 2], instances[-1]
 
 
+class _MadeBy:
+  """`made_by(op_rows)`: the values each row of top-level ops makes, op by op, output by
+  output, as one array (rows alike: copies of one layer), gathered from the graph's
+  wiring arrays (`Graph.top_wiring`) rather than op by op."""
+
+  def __init__(self, graph: Graph):
+    w = graph.top_wiring
+    self.row, self.num_outputs = w.row, w.num_outputs
+    self.made = w.values[~w.read]
+    self.start = np.concatenate([[0], np.cumsum(w.num_outputs)[:-1]])
+
+  def __call__(self, op_rows: np.ndarray) -> np.ndarray | None:
+    """None where the rows' ops make different counts of values."""
+    rows = self.row[op_rows]
+    if not rows.size:
+      return np.zeros((len(op_rows), 0), np.int64)
+    counts = self.num_outputs[rows[0]]  # one layer's ops: the same outputs in each row
+    if (self.num_outputs[rows] != counts).any():
+      return None
+    first = np.cumsum(counts) - counts
+    offset = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    return self.made[np.repeat(self.start[rows], counts, axis=1) + offset]
+
+
 def folded_view(folded: Folded) -> View:
   """Glue, each unique layer's first and last instance, and its middle instance
   standing for all the interior copies.
@@ -228,6 +252,7 @@ def folded_view(folded: Folded) -> View:
   # frame per op: every interior copy is listed).
   made = lambda inst: tuple(itertools.chain.from_iterable(  # noqa: E731
       map(outputs, map(g.ops.__getitem__, inst.ops))))
+  made_by = _MadeBy(g)
   for u in folded.unique_layers:
     searched = searched_instances(u.instances)
     for k in searched:
@@ -245,18 +270,24 @@ def folded_view(folded: Folded) -> View:
     # there can a copy read a parameter that maps onto it.
     reads = [(k, j, vb) for k, b in enumerate(rep.ops)
              for j, vb in enumerate(g.ops[b].inputs) if vb in params]
-    values = []
-    for inst in others:
+    op_rows = np.array([inst.ops for inst in others], np.int64).reshape(len(others), -1)
+    value_rows = made_by(op_rows)
+    if value_rows is None:  # rows making different counts of values: no array
+      values = [made(inst) for inst in others]
+    else:
+      values = list(map(tuple, value_rows.tolist()))
+    for inst, made_here in zip(others, values):
       op_canon.update(zip(inst.ops, rep.ops))
-      values.append(made(inst))
-      canon.update(zip(values[-1], rep_values))
+      canon.update(zip(made_here, rep_values))
       for k, j, vb in reads:  # copies of one layer: the same ops, the same slots
         inputs = g.ops[inst.ops[k]].inputs
         if inputs[j] in params:
           canon[inputs[j]] = vb  # this copy's parameter is laid out like the representative's
     if others:
-      copies.append(Copies(rep.ops, tuple(inst.ops for inst in others), rep_values,
-                           tuple(values), frozenset(v for inst in interior
-                                                    for v in inst.outputs)))
+      c = Copies(rep.ops, tuple(inst.ops for inst in others), rep_values, tuple(values),
+                 frozenset(v for inst in interior for v in inst.outputs))
+      if value_rows is not None:  # its arrays (`Copies.op_rows`, `value_rows`), made here
+        c.__dict__.update(op_rows=op_rows, value_rows=value_rows)
+      copies.append(c)
   return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon,
               copies=tuple(copies), glue=frozenset(i for seg in folded.glue for i in seg.ops))

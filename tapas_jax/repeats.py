@@ -115,9 +115,8 @@ class TopArrays:
 
 def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArrays:
   """`TopArrays` of `top` (`graph.region_ops(0)`), signatures blind where `blind` says."""
-  index = np.fromiter((op.index for op in top), np.int64, len(top))
-  row = np.full(len(graph.ops), -1, np.int64)
-  row[index] = np.arange(len(top))
+  wiring = graph.top_wiring  # kept on the graph: the search reads it too
+  row = wiring.row
   signatures = [op.signature for op in top]
   for i, text in blind.items():  # few ops: the slices and pads
     if row[i] >= 0:
@@ -126,24 +125,12 @@ def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArr
   codes = np.fromiter(map(code.__getitem__, signatures), np.int64, len(top))
   primitives = [op.primitive for op in top]
   accumulate = np.fromiter(map(ACCUMULATE.__eq__, primitives), bool, len(top))
-  # Every op's inputs then outputs, flattened in program order (C loops: per-op
-  # Python here was a good part of folding).
-  inputs = [op.inputs for op in top]
-  outputs = [op.outputs for op in top]
-  values = np.fromiter(itertools.chain.from_iterable(
-      itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
-  num_inputs = np.fromiter(map(len, inputs), np.int64, len(top))
-  num_outputs = np.fromiter(map(len, outputs), np.int64, len(top))
-  lengths = num_inputs + num_outputs
   literal = np.zeros(len(graph.types), bool)
   literal[np.fromiter(graph.literals, np.int64, len(graph.literals))] = True
   return TopArrays(
-      index=index, row=row, codes=codes, accumulate=accumulate, values=values,
-      starts=np.concatenate([[0], np.cumsum(lengths)]), num_inputs=num_inputs,
-      num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
-      read=np.repeat(np.tile([True, False], len(top)),
-                     np.stack([num_inputs, num_outputs], 1).ravel()),
-      literal=literal)
+      index=wiring.index, row=row, codes=codes, accumulate=accumulate, values=wiring.values,
+      starts=wiring.starts, num_inputs=wiring.num_inputs, num_outputs=wiring.num_outputs,
+      positions=wiring.positions, read=wiring.read, literal=literal)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

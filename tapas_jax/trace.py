@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import itertools
 import math
 import re
 import time
@@ -38,7 +39,8 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax.errors import TapasError
 
-__all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TraceError", "trace"]
+__all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TopWiring", "TraceError",
+           "trace"]
 
 
 class TraceError(TapasError, ValueError):
@@ -156,6 +158,54 @@ class Region:
   fingerprint: str
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TopWiring:
+  """The top-level ops' wiring as arrays (`Graph.top_wiring`), built once per graph:
+  folding reads them, and so do the search's passes over every op.
+
+  Attributes:
+    index: per top-level op, its `Op.index`.
+    row: per op of the graph (`Op.index`), its position in the top level, else -1.
+    values: every top-level op's inputs then outputs (literals and scalars included),
+      flattened in program order: op top[t]'s are values[starts[t]:starts[t + 1]].
+    starts: where each op's values start in `values`, then the end.
+    num_inputs: per top-level op, how many inputs it reads (its outputs follow them).
+    num_outputs: per top-level op, how many outputs it writes.
+    positions: per entry of `values`, the position in the top level of its op.
+    read: per entry of `values`, whether its op reads it (else writes it).
+  """
+
+  index: np.ndarray
+  row: np.ndarray
+  values: np.ndarray
+  starts: np.ndarray
+  num_inputs: np.ndarray
+  num_outputs: np.ndarray
+  positions: np.ndarray
+  read: np.ndarray
+
+  @classmethod
+  def of(cls, graph: Graph) -> TopWiring:
+    top = graph.region_ops(0)
+    index = np.fromiter((op.index for op in top), np.int64, len(top))
+    row = np.full(len(graph.ops), -1, np.int64)
+    row[index] = np.arange(len(top))
+    # Every op's inputs then outputs, flattened in program order (C loops: per-op
+    # Python here was a good part of folding).
+    inputs = [op.inputs for op in top]
+    outputs = [op.outputs for op in top]
+    values = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain.from_iterable(zip(inputs, outputs))), np.int64)
+    num_inputs = np.fromiter(map(len, inputs), np.int64, len(top))
+    num_outputs = np.fromiter(map(len, outputs), np.int64, len(top))
+    lengths = num_inputs + num_outputs
+    return cls(index=index, row=row, values=values,
+               starts=np.concatenate([[0], np.cumsum(lengths)]), num_inputs=num_inputs,
+               num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
+               read=np.repeat(np.tile([True, False], len(top)),
+                              np.stack([num_inputs, num_outputs], 1).ravel()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Graph:
   """The traced program.
@@ -185,6 +235,11 @@ class Graph:
   num_args: int
   trace_s: float = 0.0
   walk_s: float = 0.0
+
+  @functools.cached_property
+  def top_wiring(self) -> TopWiring:
+    """The top-level ops' wiring as arrays (`TopWiring`)."""
+    return TopWiring.of(self)
 
   @functools.cached_property
   def producer(self) -> dict[int, int]:

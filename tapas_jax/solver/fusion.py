@@ -50,6 +50,46 @@ def live_ops(graph: Graph, top: Sequence[Op], outputs: Sequence[int] | None = No
   return live
 
 
+def _top_live(graph: Graph) -> tuple[set[int], frozenset[int]]:
+  """(`live_ops` of the top level, the rest of its ops), on the graph's wiring arrays
+  (`Graph.top_wiring`, built by the fold): the top level's reads counted per value, the
+  ops nothing reads and no output is removed, then those left unread by their
+  removal, until none is (dead code is a few short chains: a few rounds). The reverse
+  walk was a Python step per op of every layer copy."""
+  w = graph.top_wiring
+  read, made = w.values[w.read], w.values[~w.read]
+  size = len(graph.types)
+  reads = np.bincount(read, minlength=size)
+  pinned = _mask(graph.outputs, size)
+  producer = np.full(size, -1, np.int64)
+  producer[made] = np.repeat(np.arange(len(w.index)), w.num_outputs)
+  made_from = np.concatenate([[0], np.cumsum(w.num_outputs)])
+  read_from = np.concatenate([[0], np.cumsum(w.num_inputs)])
+  dead = np.zeros(len(w.index), bool)
+  rows = np.flatnonzero(w.num_outputs)  # an op with no output is kept (an effect)
+  while len(rows):
+    counts = w.num_outputs[rows]
+    outputs = made[_ranges(made_from[rows], counts)]
+    used = np.bincount(np.repeat(np.arange(len(rows)), counts),
+                       weights=(reads[outputs] > 0) | pinned[outputs], minlength=len(rows))
+    gone = rows[used == 0]
+    dead[gone] = True
+    inputs = read[_ranges(read_from[gone], w.num_inputs[gone])]
+    reads -= np.bincount(inputs, minlength=size)
+    # Only the makers of what the removed ops read can have become unread.
+    rows = np.unique(producer[inputs])
+    rows = rows[rows >= 0]
+    rows = rows[~dead[rows]]
+  return set(w.index[~dead].tolist()), frozenset(w.index[dead].tolist())
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
+  ends = np.cumsum(counts)
+  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                  else 0)
+
+
 class TopLevel(NamedTuple):
   """What XLA keeps of the top-level program (`top_level`).
 
@@ -60,11 +100,13 @@ class TopLevel(NamedTuple):
     side_reductions: reductions the compiler computes inside the fusion making their
       operand, as a second output (an epilogue's bias-gradient sum): their operand's
       readers as written do not include them.
+    dead: the other top-level ops (XLA removes them).
   """
 
   live: set[int]
   fused: set[int]
   side_reductions: frozenset[int] = frozenset()
+  dead: frozenset[int] = frozenset()
 
 
 def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: bool = True,
@@ -85,13 +127,13 @@ def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: 
   """
   def build():
     top = graph.region_ops(0)
-    live = live_ops(graph, top)
+    live, dead = _top_live(graph)
     fused = fused_values(graph, top, live, reductions_duplicate=reductions_duplicate,
                          dot_operands=dot_operands, copies=copies)
     if not dot_operands:
-      return TopLevel(live, fused)
+      return TopLevel(live, fused, dead=dead)
     values, sides = dot_epilogues(graph, top, live)
-    return TopLevel(live, fused | values, frozenset(sides))
+    return TopLevel(live, fused | values, frozenset(sides), dead)
 
   return memo(cache, ("fusion", reductions_duplicate, dot_operands), (graph,), build)
 
@@ -216,8 +258,8 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
   skip = np.zeros(len(graph.ops), bool)
   mapped = []
   for c in copies:
-    rep, ops = np.array(c.rep, int), np.array(c.ops, int)
-    rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
+    rep, ops = np.array(c.rep, int), c.op_rows
+    rep_values, values = np.array(c.rep_values, int), c.value_rows
     if not rep_values.size or not all((m[ops] == m[rep]).all()
                                       for m in (live_mask, reduction_mask)):
       continue

@@ -44,9 +44,8 @@ class Lineup:
   @classmethod
   def of(cls, graph: Graph, pos: Mapping[int, int], copies: Iterable[Copies],
          op_canon: Mapping[int, int]) -> Lineup:
-    at = np.full(len(graph.ops), -1)
-    at[np.fromiter(pos.keys(), int, len(pos))] = np.fromiter(pos.values(), int, len(pos))
-    layers = tuple((np.array(c.rep, int), np.array(c.ops, int)) for c in copies)
+    at = graph.top_wiring.row  # `pos` as an array, built once per graph
+    layers = tuple((np.array(c.rep, int), c.op_rows) for c in copies)
     walk = np.ones(len(pos), bool)
     for _, ops in layers:
       walk[at[ops].ravel()] = False

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from typing import Mapping, Sequence
 
@@ -35,7 +36,7 @@ from tapas_jax.solver.explain import Reason
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Constraint, Decision, InputSpec, PlanTerms
 from tapas_jax.solver.tables import mesh_dims
-from tapas_jax.solver.views import Standing
+from tapas_jax.solver.views import Copies, Standing
 
 __all__ = ["plan_terms"]
 
@@ -220,14 +221,16 @@ def _constraints(problem: Problem, choice: Choice,
       out += [Constraint(site=reader.site, slot=k, spec=made)
               for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
               if x == v]
-  # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have).
-  pair: dict[tuple, tuple[PartitionSpec, PartitionSpec]] = {}
+  # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have,
+  # whether they are one layout).
+  pair: dict[tuple, tuple[PartitionSpec, PartitionSpec, bool]] = {}
 
   def read_as(rep, k, y, x):
     key = (rep, k, problem.cv(x), len(g.types[x].shape))
     if key not in pair:
-      pair[key] = (spec(read_dims(rep, y)),
-                   spec([problem.value_class.get((key[2], d)) for d in range(key[3])]))
+      want = spec(read_dims(rep, y))
+      have = spec([problem.value_class.get((key[2], d)) for d in range(key[3])])
+      pair[key] = (want, have, want == have)
     return pair[key]
 
   # Per op standing for others, its slots read through a cut: asked once, not per copy
@@ -240,11 +243,10 @@ def _constraints(problem: Problem, choice: Choice,
                         if read_dims(rep, y) is not None]
     return cut_slots[rep]
 
-  for op in top.where(slots_of):
-    # Each copy reads as the op standing for it does: an interior copy reading the
-    # last layer's output reads it through the representative's cut.
-    rep = view.op_canon.get(op.index, op.index)
-    slots = slots_of(rep)
+  def read_through(op, rep, slots) -> list[Constraint]:
+    """The constraints of op's reads in `slots` (its representative's slots read through
+    a cut, with the values the representative reads there)."""
+    found = []
     inputs = op.inputs
     for k, y in slots:
       if k >= len(inputs):  # as zip: a copy has its representative's inputs
@@ -254,9 +256,10 @@ def _constraints(problem: Problem, choice: Choice,
         continue
       if x in fixed:
         want, have = spec(read_dims(rep, y)), PartitionSpec(*fixed[x].to_partition_spec())
+        same = want == have
       else:
-        want, have = read_as(rep, k, y, x)
-      if want == have:  # read as it is: nothing for XLA to be told
+        want, have, same = read_as(rep, k, y, x)
+      if same:  # read as it is: nothing for XLA to be told
         continue
       if x not in fixed and not _from_partial_sums(problem, choice, x):
         # Made whole from whole values, read split through a cut (a statistic into
@@ -264,9 +267,34 @@ def _constraints(problem: Problem, choice: Choice,
         # than carrying the split back into the compute that makes it. (Made from
         # partial sums, a gradient, XLA may reduce-scatter straight into the read
         # layout: pinning it whole first would force an all-reduce.)
-        out.append(Constraint(site=op.site, slot=k, spec=have))
-      out.append(Constraint(site=op.site, slot=k, spec=want))
+        found.append(Constraint(site=op.site, slot=k, spec=have))
+      found.append(Constraint(site=op.site, slot=k, spec=want))
+    return found
+
+  # (op, its constraints), in no order: the ops outside the copies, then the copies.
+  reads = [(i, read_through(g.ops[i], rep, slots_of(rep))) for i in top.outside
+           if slots_of(rep := view.op_canon.get(i, i))]
+  for c in view.copies:
+    reads += _copies_reads(g, c, slots_of, read_as, read_through)
+  reads.sort(key=operator.itemgetter(0))  # in program order, as one walk adds them
+  out += [con for _, found in reads for con in found]
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _copies_reads(g, c: Copies, slots_of, read_as, read_through) -> list[tuple[int, list]]:
+  """(op, constraints) of one layer's interior copies' reads through a cut. Each copy
+  reads as the op standing for it does (an interior copy reading the last layer's
+  output reads it through the representative's cut); a slot reading a value the layer
+  makes reads, in every copy, the copy's value standing for the representative's:
+  where the representative reads it in the layout it is made in, no copy is asked."""
+  made = set(c.rep_values)
+  out = []
+  for s, rep in enumerate(c.rep):
+    slots = [(k, y) for k, y in slots_of(rep)
+             if y not in made or not read_as(rep, k, y, y)[2]]
+    if slots:
+      out += [(row[s], read_through(g.ops[row[s]], rep, slots)) for row in c.ops]
+  return out
 
 
 def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]

@@ -605,9 +605,16 @@ def _batch(prog: _Program, mesh: costlib.MeshSpec, u: _United,
   read_as: dict[int, list[int]] = {}  # classes a value is read in, besides its own
   for (v, _, _), c in u.side_class.items():
     read_as.setdefault(v, []).append(c)
-  input_classes = {i.value: [u.value_class[(cv(i.value), d)]
-                             for d in range(len(graph.types[i.value].shape))]
-                   + read_as.get(cv(i.value), []) for i in graph.inputs}
+  # Copies of a layer's parameter stand for one value: its classes, found once (read
+  # only: the inputs share the list).
+  classes: dict[tuple[int, int], list[int]] = {}
+  input_classes = {}
+  for i in graph.inputs:
+    key = (cv(i.value), len(graph.types[i.value].shape))
+    if key not in classes:
+      classes[key] = ([u.value_class[(key[0], d)] for d in range(key[1])]
+                      + read_as.get(key[0], []))
+    input_classes[i.value] = classes[key]
   data = batch_inputs(graph, input_classes)
   for a in (() if batch_axes is None else batch_axes):
     if a not in mesh.axis_names:
@@ -675,8 +682,12 @@ def _examples(prog: _Program, u: _United) -> dict[int, str]:
   for (v, d, _), c in u.side_class.items():  # where a parameter is used
     if v in graph.input_path and c not in example:
       example[c] = f"{graph.input_path[v]}[{d}]"
+  seen = set()  # the values standing for inputs already named (copies: the first)
   for i in graph.inputs:  # where it is stored (named once: copies share their classes)
     v = cv(i.value)
+    if (v, len(graph.types[i.value].shape)) in seen:
+      continue
+    seen.add((v, len(graph.types[i.value].shape)))
     for d in range(len(graph.types[i.value].shape)):
       if (c := u.value_class[(v, d)]) not in example:
         example[c] = f"{i.path}[{d}]{' stored' if v in prog.cut_use else ''}"

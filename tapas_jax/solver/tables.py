@@ -638,11 +638,10 @@ def _dead_and_unwritten(problem: Problem, cache: dict
   """(ops XLA removes, values that never reach memory) of the top level and of every
   scan body the view searches (a body fuses as the top level does)."""
   g = problem.graph
-  live, fused, _ = top_level(g, cache, copies=problem.view.copies)
-  dead = set(map(operator.attrgetter("index"), g.region_ops(0))) - live
+  kept = top_level(g, cache, copies=problem.view.copies)
   if not problem.view.loops:
-    return frozenset(dead), frozenset(fused)
-  unwritten = set(fused)
+    return kept.dead, frozenset(kept.fused)
+  dead, unwritten = set(kept.dead), set(kept.fused)
   for loop in problem.view.loops:
     region = scan_region(g, g.ops[loop])
     body = list(g.region_ops(region.index))

@@ -197,8 +197,8 @@ def _layer(prog: LiveProgram, c: Copies, pos, op_flags, readers, reach, made, cu
   """(skip, at, start, stop, nbytes, values, dims, stored) of one unique layer's
   copies, or None where none is mapped."""
   g = prog.graph
-  rep, ops = np.array(c.rep, int), np.array(c.ops, int)
-  rep_values, values = np.array(c.rep_values, int), np.array(c.values, int)
+  rep, ops = np.array(c.rep, int), c.op_rows
+  rep_values, values = np.array(c.rep_values, int), c.value_rows
   if not rep_values.size:
     return None
   flags = op_flags()

@@ -69,7 +69,7 @@ def _standing_for(prog: LiveProgram, copies, values) -> list[int]:
   for c in copies:
     cols = [s for s, v in enumerate(c.rep_values) if v in found]
     if cols:
-      found.update(np.array(c.values, int)[:, cols].ravel().tolist())
+      found.update(c.value_rows[:, cols].ravel().tolist())
   made = [(pos[p], g.ops[p].outputs.index(w), w) for w in found
           if (p := g.producer.get(w)) in pos and p in prog.live]
   return [w for _, _, w in sorted(made)]
@@ -81,8 +81,12 @@ def _feeding(prog: LiveProgram, delivered, among: Iterable[int] | None = None) -
   the update (`_feeds`), which asks of its readers only, decided before it."""
   feeding: set[int] = set()
   live, update = prog.live, prog.update
-  ops = (reversed(prog.top) if among is None else
-         map(prog.graph.ops.__getitem__, sorted(among, key=prog.pos.__getitem__, reverse=True)))
+  if among is None:
+    ops = reversed(prog.top)
+  else:  # the last first, sorted on the lineup's positions (an array: no key per op)
+    index = np.fromiter(among, np.int64, len(among))
+    ops = map(prog.graph.ops.__getitem__,
+              index[np.argsort(prog.lineup.pos[index])[::-1]].tolist())
   for op in ops:
     if op.index in live and op.outputs and op.index not in update:
       for w in op.outputs:  # a loop, not a generator per op (every copy's ops are asked)

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from typing import Mapping
@@ -52,6 +53,17 @@ class Copies:
   rep_values: tuple[int, ...]
   values: tuple[tuple[int, ...], ...]
   read_outside: frozenset[int]
+
+  # `ops` and `values` as arrays (one row per copy), built once: each pass that maps
+  # the copies reads them (a 96-layer GPT's copies made them anew ~1 ms a pass). Read
+  # only.
+  @functools.cached_property
+  def op_rows(self) -> np.ndarray:
+    return np.array(self.ops, np.int64)
+
+  @functools.cached_property
+  def value_rows(self) -> np.ndarray:
+    return np.array(self.values, np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +116,7 @@ class Standing:
     self.graph, self.view = graph, view
     copied = np.zeros(len(graph.ops), bool)
     for c in view.copies:
-      copied[np.array(c.ops, int).ravel()] = True
+      copied[c.op_rows.ravel()] = True
     # The ops in no copy (few: the glue, the first and last instances, the
     # representatives), in a region's program order (op order).
     self.outside = [i for i in np.flatnonzero(~copied).tolist()
@@ -118,7 +130,7 @@ class Standing:
     for c in self.view.copies:
       slots = [k for k, i in enumerate(c.rep) if keep(i)]
       if slots:
-        found += np.array(c.ops, int)[:, slots].ravel().tolist()
+        found += c.op_rows[:, slots].ravel().tolist()
     ops = self.graph.ops
     return [ops[i] for i in sorted(found)]  # ops are numbered in program order
 
@@ -200,6 +212,30 @@ def searched_instances(instances: tuple[int, ...]) -> tuple[int, ...]:
   return instances[0], interior[len(interior) // 2], instances[-1]
 
 
+class _MadeBy:
+  """`made_by(op_rows)`: the values each row of top-level ops makes, op by op, output by
+  output, as one array (rows alike: copies of one layer), gathered from the graph's
+  wiring arrays (`Graph.top_wiring`) rather than op by op."""
+
+  def __init__(self, graph: Graph):
+    w = graph.top_wiring
+    self.row, self.num_outputs = w.row, w.num_outputs
+    self.made = w.values[~w.read]
+    self.start = np.concatenate([[0], np.cumsum(w.num_outputs)[:-1]])
+
+  def __call__(self, op_rows: np.ndarray) -> np.ndarray | None:
+    """None where the rows' ops make different counts of values."""
+    rows = self.row[op_rows]
+    if not rows.size:
+      return np.zeros((len(op_rows), 0), np.int64)
+    counts = self.num_outputs[rows[0]]  # one layer's ops: the same outputs in each row
+    if (self.num_outputs[rows] != counts).any():
+      return None
+    first = np.cumsum(counts) - counts
+    offset = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    return self.made[np.repeat(self.start[rows], counts, axis=1) + offset]
+
+
 def folded_view(folded: Folded) -> View:
   """Glue, each unique layer's first and last instance, and its middle instance
   standing for all the interior copies.
@@ -216,6 +252,7 @@ def folded_view(folded: Folded) -> View:
   # frame per op: every interior copy is listed).
   made = lambda inst: tuple(itertools.chain.from_iterable(  # noqa: E731
       map(outputs, map(g.ops.__getitem__, inst.ops))))
+  made_by = _MadeBy(g)
   for u in folded.unique_layers:
     searched = searched_instances(u.instances)
     for k in searched:
@@ -233,18 +270,24 @@ def folded_view(folded: Folded) -> View:
     # there can a copy read a parameter that maps onto it.
     reads = [(k, j, vb) for k, b in enumerate(rep.ops)
              for j, vb in enumerate(g.ops[b].inputs) if vb in params]
-    values = []
-    for inst in others:
+    op_rows = np.array([inst.ops for inst in others], np.int64).reshape(len(others), -1)
+    value_rows = made_by(op_rows)
+    if value_rows is None:  # rows making different counts of values: no array
+      values = [made(inst) for inst in others]
+    else:
+      values = list(map(tuple, value_rows.tolist()))
+    for inst, made_here in zip(others, values):
       op_canon.update(zip(inst.ops, rep.ops))
-      values.append(made(inst))
-      canon.update(zip(values[-1], rep_values))
+      canon.update(zip(made_here, rep_values))
       for k, j, vb in reads:  # copies of one layer: the same ops, the same slots
         inputs = g.ops[inst.ops[k]].inputs
         if inputs[j] in params:
           canon[inputs[j]] = vb  # this copy's parameter is laid out like the representative's
     if others:
-      copies.append(Copies(rep.ops, tuple(inst.ops for inst in others), rep_values,
-                           tuple(values), frozenset(v for inst in interior
-                                                    for v in inst.outputs)))
+      c = Copies(rep.ops, tuple(inst.ops for inst in others), rep_values, tuple(values),
+                 frozenset(v for inst in interior for v in inst.outputs))
+      if value_rows is not None:  # its arrays (`Copies.op_rows`, `value_rows`), made here
+        c.__dict__.update(op_rows=op_rows, value_rows=value_rows)
+      copies.append(c)
   return View(ops=tuple(sorted(ops)), canon=canon, weight=weight, op_canon=op_canon,
               copies=tuple(copies), glue=frozenset(i for seg in folded.glue for i in seg.ops))

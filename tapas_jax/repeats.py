@@ -85,18 +85,11 @@ class TopArrays:
   ops per reader was a good part of folding.
 
   Attributes:
-    index: per top-level op, its `Op.index`.
-    row: per op of the graph (`Op.index`), its position in the top level, else -1.
+    index, row, values, starts, num_inputs, num_outputs, positions, read: the graph's
+      own wiring arrays (`trace.TopWiring`, built once per graph), handed on as they are.
     codes: per top-level op, its signature (`blind`'s where given) as an int: equal
       ints, equal signatures.
     accumulate: per top-level op, whether it is a cotangent sum (`ACCUMULATE`).
-    values: every top-level op's inputs then outputs (literals and scalars included),
-      flattened in program order: op top[t]'s are values[starts[t]:starts[t + 1]].
-    starts: where each op's values start in `values`, then the end.
-    num_inputs: per top-level op, how many inputs it reads (its outputs follow them).
-    num_outputs: per top-level op, how many outputs it writes.
-    positions: per entry of `values`, the position in the top level of its op.
-    read: per entry of `values`, whether its op reads it (else writes it).
     literal: per value of the graph, whether it is a literal (`Graph.literals`).
   """
 

@@ -397,7 +397,7 @@ def _members(arrays: TopArrays, rows: np.ndarray
   each top-level op's label (`rows`; -1: none)."""
   order = np.argsort(rows, kind="stable")  # by label, then program order
   ends = np.cumsum(np.bincount(rows + 1)).tolist()
-  ops = arrays.index[order].tolist()
+  ops = arrays.wiring.index[order].tolist()
   members: dict[int, list[int]] = collections.defaultdict(list)
   for k in range(len(ends) - 1):
     if ends[k + 1] > ends[k]:
@@ -418,7 +418,7 @@ def _split_edge_sums(graph: Graph, ops: list[int], arrays: TopArrays
   """
   inside = set(ops)
   at = np.array(ops, np.int64)
-  sums = at[arrays.accumulate[arrays.row[at]]].tolist()
+  sums = at[arrays.accumulate[arrays.wiring.row[at]]].tolist()
   changed = True
   while changed:
     changed = False
@@ -573,7 +573,7 @@ def fold(graph: Graph, use_names: bool = True) -> Folded:
   blind = _offset_blind(graph)
   arrays = top_arrays(graph, top, blind)
   stack_scopes = _Scopes()
-  found = (_segment_by_names(graph, top, blind, stack_scopes, arrays.index) if use_names
+  found = (_segment_by_names(graph, top, blind, stack_scopes, arrays.wiring.index) if use_names
            else None)
   if found is None:
     chosen = _group(graph, top, segment_by_structure(graph, top, blind, arrays),
@@ -658,12 +658,12 @@ def _group(graph: Graph, top: Sequence[Op], found, method: str, blind: dict[int,
     for i, k in label.items():
       value_label.update((v, k) for v in graph.ops[i].outputs)
     _propagate(graph, top, label, value_label)
-    rows[arrays.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
+    rows[arrays.wiring.row[np.fromiter(label, np.int64, len(label))]] = np.fromiter(
         label.values(), np.int64, len(label))
   else:
     for k in reversed(range(len(scopes))):  # an op in two scopes takes the first
       ops = layers.get(scopes[k]) or glue[scopes[k]]
-      rows[arrays.row[np.fromiter(ops, np.int64, len(ops))]] = k
+      rows[arrays.wiring.row[np.fromiter(ops, np.int64, len(ops))]] = k
   members, leftovers = _members(arrays, rows)
   layer_keys = sorted((k for k in range(len(layers)) if members[k]),
                       key=lambda k: members[k][0])

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tapas_jax import rules as ruleslib
-from tapas_jax.trace import Graph, Op
+from tapas_jax.trace import Graph, Op, TopWiring, ranges
 
 __all__ = ["ACCUMULATE", "MIN_PERIOD", "TopArrays", "Wiring", "contracts", "loop_trip",
            "segment_by_structure", "top_arrays"]
@@ -85,24 +85,17 @@ class TopArrays:
   ops per reader was a good part of folding.
 
   Attributes:
-    index, row, values, starts, num_inputs, num_outputs, positions, read: the graph's
-      own wiring arrays (`trace.TopWiring`, built once per graph), handed on as they are.
+    wiring: the graph's own wiring arrays (`trace.TopWiring`, built once per graph),
+      handed on as they are.
     codes: per top-level op, its signature (`blind`'s where given) as an int: equal
       ints, equal signatures.
     accumulate: per top-level op, whether it is a cotangent sum (`ACCUMULATE`).
     literal: per value of the graph, whether it is a literal (`Graph.literals`).
   """
 
-  index: np.ndarray
-  row: np.ndarray
+  wiring: TopWiring
   codes: np.ndarray
   accumulate: np.ndarray
-  values: np.ndarray
-  starts: np.ndarray
-  num_inputs: np.ndarray
-  num_outputs: np.ndarray
-  positions: np.ndarray
-  read: np.ndarray
   literal: np.ndarray
 
 
@@ -120,17 +113,7 @@ def top_arrays(graph: Graph, top: Sequence[Op], blind: dict[int, str]) -> TopArr
   accumulate = np.fromiter(map(ACCUMULATE.__eq__, primitives), bool, len(top))
   literal = np.zeros(len(graph.types), bool)
   literal[np.fromiter(graph.literals, np.int64, len(graph.literals))] = True
-  return TopArrays(
-      index=wiring.index, row=row, codes=codes, accumulate=accumulate, values=wiring.values,
-      starts=wiring.starts, num_inputs=wiring.num_inputs, num_outputs=wiring.num_outputs,
-      positions=wiring.positions, read=wiring.read, literal=literal)
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
-  ends = np.cumsum(counts)
-  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                  else 0)
+  return TopArrays(wiring=wiring, codes=codes, accumulate=accumulate, literal=literal)
 
 
 class Wiring:
@@ -148,22 +131,22 @@ class Wiring:
     self._arrays = arrays
     self._sizes = np.fromiter(map(len, op_lists), np.int64, len(op_lists))
     num = int(self._sizes.sum())
-    self.rows = arrays.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
+    self.rows = arrays.wiring.row[np.fromiter(itertools.chain.from_iterable(op_lists), np.int64,
                                        num)]  # positions in the top level
     self.owner = np.repeat(np.arange(len(op_lists)), self._sizes)  # list of each row
     self._bounds = np.concatenate([[0], np.cumsum(self._sizes)])
     pos = np.arange(num) - self._bounds[:-1][self.owner]  # position within its list
-    starts, n_in = arrays.starts[self.rows], arrays.num_inputs[self.rows]
-    n_out = arrays.num_outputs[self.rows]
+    starts, n_in = arrays.wiring.starts[self.rows], arrays.wiring.num_inputs[self.rows]
+    n_out = arrays.wiring.num_outputs[self.rows]
     self._n_in, self._n_out = n_in, n_out
-    self.out_values = arrays.values[_ranges(starts + n_in, n_out)]
+    self.out_values = arrays.wiring.values[ranges(starts + n_in, n_out)]
     out_row = np.repeat(np.arange(num), n_out)
     made_at = np.full(len(arrays.literal), -1, np.int64)  # value -> row making it
     made_at[self.out_values] = out_row
     slot = np.zeros(len(arrays.literal), np.int64)
     slot[self.out_values] = np.arange(len(out_row)) - np.repeat(np.cumsum(n_out) - n_out,
                                                                  n_out)
-    self.in_values = v = arrays.values[_ranges(starts, n_in)]
+    self.in_values = v = arrays.wiring.values[ranges(starts, n_in)]
     in_row = np.repeat(np.arange(num), n_in)
     self.in_owner = in_owner = self.owner[in_row]
     maker = made_at[v]
@@ -214,10 +197,11 @@ class Wiring:
     owner_at = np.full(len(arrays.codes), -1, np.int64)  # top-level position -> list
     owner_at[self.rows] = self.owner
     maker_owner = self.made_by()
-    reads = arrays.values[arrays.read]
+    w = arrays.wiring
+    reads = w.values[w.read]
     theirs = maker_owner[reads]
     leaves = np.zeros(len(arrays.literal), bool)
-    leaves[reads[(theirs >= 0) & (owner_at[arrays.positions[arrays.read]] != theirs)]] = True
+    leaves[reads[(theirs >= 0) & (owner_at[w.positions[w.read]] != theirs)]] = True
     leaves[np.asarray(returned, np.int64)] = True
     takes = self.first_use & ~arrays.literal[self.in_values]
     out = []
@@ -362,10 +346,10 @@ class _OpFacts:
     keep = np.fromiter(map(bool, map(operator.attrgetter("shape"), graph.types)), bool,
                        len(graph.types))
     keep[arrays.literal] = False
-    kept = keep[arrays.values]
-    self.values = arrays.values[kept]
-    self.positions = arrays.positions[kept]
-    self.read = arrays.read[kept]
+    kept = keep[arrays.wiring.values]
+    self.values = arrays.wiring.values[kept]
+    self.positions = arrays.wiring.positions[kept]
+    self.read = arrays.wiring.read[kept]
     self.starts = np.concatenate([[0], np.cumsum(np.bincount(self.positions,
                                                              minlength=len(top)))])
     self._values, self._starts = self.values.tolist(), self.starts.tolist()
@@ -673,8 +657,8 @@ def segment_by_structure(graph: Graph, top: Sequence[Op], blind: dict[int, str],
   # each op included.
   seq_pos = np.append(np.flatnonzero(~arrays.accumulate), len(top))
   codes = arrays.codes[seq_pos[:-1]]
-  top_pos = arrays.row.tolist()  # op index -> position in `top`, else -1
-  index = arrays.index.tolist()
+  top_pos = arrays.wiring.row.tolist()  # op index -> position in `top`, else -1
+  index = arrays.wiring.index.tolist()
 
   instances: list[list[int]] = []
   names: list[str] = []

@@ -40,7 +40,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax.errors import TapasError
 
 __all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TopWiring", "TraceError",
-           "trace"]
+           "ranges", "trace"]
 
 
 class TraceError(TapasError, ValueError):
@@ -204,6 +204,14 @@ class TopWiring:
                num_outputs=num_outputs, positions=np.repeat(np.arange(len(top)), lengths),
                read=np.repeat(np.tile([True, False], len(top)),
                               np.stack([num_inputs, num_outputs], 1).ravel()))
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row: the
+  entries of chosen ops in `TopWiring.values` (their inputs: `starts`, `num_inputs`)."""
+  ends = np.cumsum(counts)
+  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
+                                                                  else 0)
 
 
 @dataclasses.dataclass(frozen=True)

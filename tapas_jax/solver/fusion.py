@@ -28,7 +28,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.memo import memo
-from tapas_jax.trace import Graph, Op
+from tapas_jax.trace import Graph, Op, ranges
 
 if TYPE_CHECKING:
   from tapas_jax.solver.views import Copies
@@ -69,25 +69,18 @@ def _top_live(graph: Graph) -> tuple[set[int], frozenset[int]]:
   rows = np.flatnonzero(w.num_outputs)  # an op with no output is kept (an effect)
   while len(rows):
     counts = w.num_outputs[rows]
-    outputs = made[_ranges(made_from[rows], counts)]
+    outputs = made[ranges(made_from[rows], counts)]
     used = np.bincount(np.repeat(np.arange(len(rows)), counts),
                        weights=(reads[outputs] > 0) | pinned[outputs], minlength=len(rows))
     gone = rows[used == 0]
     dead[gone] = True
-    inputs = read[_ranges(read_from[gone], w.num_inputs[gone])]
+    inputs = read[ranges(read_from[gone], w.num_inputs[gone])]
     reads -= np.bincount(inputs, minlength=size)
     # Only the makers of what the removed ops read can have become unread.
     rows = np.unique(producer[inputs])
     rows = rows[rows >= 0]
     rows = rows[~dead[rows]]
   return set(w.index[~dead].tolist()), frozenset(w.index[dead].tolist())
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-  """starts[k], starts[k] + 1, ... starts[k] + counts[k] - 1 for every k, in a row."""
-  ends = np.cumsum(counts)
-  return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
-                                                                  else 0)
 
 
 class TopLevel(NamedTuple):

@@ -17,9 +17,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import importlib
 import math
 import time
@@ -93,7 +91,7 @@ def prepare(fn, args: Sequence[Any], *, mesh, kwargs: Mapping[str, Any] | None =
   profile = costlib.get_profile(config.device or default_device())
   mesh_spec = costlib.mesh_spec(axes, profile, config.links_map)
   graph = tracelib.trace(fn, *args, kwargs=kwargs)
-  with _collector_paused():
+  with tracelib.collector_paused():
     folded = foldlib.fold(graph)
     start = time.perf_counter()
     view = solverlib.folded_view(folded) if config.fold else solverlib.unfolded_view(graph)
@@ -101,27 +99,6 @@ def prepare(fn, args: Sequence[Any], *, mesh, kwargs: Mapping[str, Any] | None =
                                       sequence_cuts=config.sequence_parallel)
   return Prepared(graph=graph, folded=folded, problem=problem, mesh=mesh_spec,
                   prepare_s=time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-  """Python's cyclic garbage collector off while the fold and the search run (on again
-  after, if it was on).
-
-  The search allocates many small objects over a heap that holds the whole traced
-  program; each full collection those allocations trigger walks every live object, so
-  a deep program paid for its depth again in collections (a GPT train step at 96
-  layers: the report's 0.6 CPU seconds fell to 0.2 with the collector off; the fold of
-  a 48-layer remat step 0.67 -> 0.33 s; BENCHMARKS.md). What the search leaves
-  behind is freed by reference counting, any cycles at the next collection.
-  """
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
 
 
 def default_budget(profile: costlib.DeviceProfile) -> float:
@@ -229,7 +206,7 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
   budget = resolve_budget(config.memory_budget, prepared.problem.profile)
   cache: dict = {}
 
-  @_collector_paused()
+  @tracelib.collector_paused()
   def solve(budget: float | None) -> planlib.Plan:
     start = time.perf_counter()
     solution = _solve(prepared, budget, config, cache=cache)

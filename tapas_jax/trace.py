@@ -23,8 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import gc
 import functools
 import hashlib
 import itertools
@@ -40,7 +42,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax.errors import TapasError
 
 __all__ = ["Graph", "GraphInput", "Op", "Region", "TensorType", "TopWiring", "TraceError",
-           "ranges", "trace"]
+           "collector_paused", "ranges", "trace"]
 
 
 class TraceError(TapasError, ValueError):
@@ -589,6 +591,29 @@ def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
   return _digest(";".join(parts))
 
 
+@contextlib.contextmanager
+def collector_paused():
+  """Python's cyclic garbage collector off while the walk, the fold and the search run
+  (on again after, if it was on).
+
+  The search allocates many small objects over a heap that holds the whole traced
+  program; each full collection those allocations trigger walks every live object, so
+  a deep program paid for its depth again in collections (a GPT train step at 96
+  layers: the report's 0.6 CPU seconds fell to 0.2 with the collector off; the fold of
+  a 48-layer remat step 0.67 -> 0.33 s; the walk of LLaMA-3-8B's 12.7 thousand
+  equations 0.36 -> 0.25-0.29 s; BENCHMARKS.md). What they leave behind is freed by
+  reference counting, any cycles at the next collection. `jax.make_jaxpr` runs with
+  the collector as the caller has it.
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
+
+
 def trace(fn: Callable[..., Any], *args: Any, kwargs: Mapping[str, Any] | None = None
           ) -> Graph:
   """Traces `fn(*args, **kwargs)` abstractly into a `Graph`.
@@ -641,31 +666,32 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
                      f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}") from e
   trace_s = time.perf_counter() - start
   start = time.perf_counter()
-  walker = _Walker()
-  body, consts = jx.open_jaxpr(closed)
-  env: dict = {}
-  inputs = []
-  axis_names = logical_axes(args)
-  if len(axis_names) != len(paths):  # a box flattened unlike its leaves: names unknown
-    axis_names = [()] * len(paths)
-  for var, (arg, path), axes in zip(body.invars, paths, axis_names):
-    v = walker.new_value(var)
-    env[var] = v
-    axes = axes if len(axes) == len(jx.aval_of(var)[0]) else ()
-    inputs.append(GraphInput(value=v, path=path, arg=arg, logical_axes=axes))
-  walker._bind_consts(body, consts, env)
-  walker.walk(body, env, region=0, stack="", site=())
-  outputs = tuple(walker.read(env, a) for a in body.outvars)
-  out_paths = tuple(key_path_str(p) or f"out{k}" for k, (p, _) in
-                    enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]))
-  top_ops = [op for op in walker.ops if op.region == 0]
-  walker.regions[0] = Region(index=0, kind="top", parent=-1, op=-1, trip_count=None,
-                             inputs=tuple(i.value for i in inputs), outputs=outputs,
-                             fingerprint=subgraph_fingerprint(
-                                 top_ops, [i.value for i in inputs], outputs))
-  graph = Graph(ops=tuple(walker.ops), types=tuple(walker.types),
-                literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
-                output_paths=out_paths, regions=tuple(walker.regions),
-                num_args=len(args), trace_s=trace_s,
-                walk_s=flatten_s + time.perf_counter() - start)
+  with collector_paused():  # the walk allocates an object or more per equation
+    walker = _Walker()
+    body, consts = jx.open_jaxpr(closed)
+    env: dict = {}
+    inputs = []
+    axis_names = logical_axes(args)
+    if len(axis_names) != len(paths):  # a box flattened unlike its leaves: names unknown
+      axis_names = [()] * len(paths)
+    for var, (arg, path), axes in zip(body.invars, paths, axis_names):
+      v = walker.new_value(var)
+      env[var] = v
+      axes = axes if len(axes) == len(jx.aval_of(var)[0]) else ()
+      inputs.append(GraphInput(value=v, path=path, arg=arg, logical_axes=axes))
+    walker._bind_consts(body, consts, env)
+    walker.walk(body, env, region=0, stack="", site=())
+    outputs = tuple(walker.read(env, a) for a in body.outvars)
+    out_paths = tuple(key_path_str(p) or f"out{k}" for k, (p, _) in
+                      enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]))
+    top_ops = [op for op in walker.ops if op.region == 0]
+    walker.regions[0] = Region(index=0, kind="top", parent=-1, op=-1, trip_count=None,
+                               inputs=tuple(i.value for i in inputs), outputs=outputs,
+                               fingerprint=subgraph_fingerprint(
+                                   top_ops, [i.value for i in inputs], outputs))
+    graph = Graph(ops=tuple(walker.ops), types=tuple(walker.types),
+                  literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
+                  output_paths=out_paths, regions=tuple(walker.regions),
+                  num_args=len(args), trace_s=trace_s,
+                  walk_s=flatten_s + time.perf_counter() - start)
   return graph, closed, out_shape

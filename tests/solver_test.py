@@ -259,6 +259,43 @@ def test_lagrange_bisection_fits_or_says_why(seed):
   assert case.fit_time - case.opt <= fit.weight * (case.budget - fit.used_bytes) + 1e-9
 
 
+def _escalation(run, memory, budget):
+  """`fit_budget` without its first probe: weights 1e-12, 1e-11, ... until one fits, then
+  bisection (the reference the probe must agree with)."""
+  used_by = lambda a: evaluate_tables(memory, a)[0]  # noqa: E731
+  lo, hi, best = 0.0, 1e-12, None
+  for _ in range(60):
+    assignment = run(hi)
+    if (used := used_by(assignment)) <= budget:
+      best = (assignment, True, hi, used)
+      break
+    hi *= 10
+  if best is None:
+    return assignment, False, hi, used
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    assignment = run(mid)
+    if (used := used_by(assignment)) <= budget:
+      hi, best = mid, (assignment, True, mid, used)
+    else:
+      lo = mid
+  return best
+
+
+@pytest.mark.parametrize("seed", BUDGET_SEEDS)
+def test_an_infeasible_budget_is_settled_by_one_elimination_with_the_escalations_answer(
+    seed):
+  factors, memory, domain_size, budget = random_budget_instance(seed)
+  calls = []
+  run = _lagrange_run(factors, memory, domain_size)
+  fit = fit_budget(lambda w: calls.append(w) or run(w), memory, budget)
+  assignment, fits, weight, used = _escalation(run, memory, budget)
+  assert (dict(fit.assignment), fit.fits, fit.weight, fit.used_bytes) == (
+      dict(assignment), fits, weight, used)
+  if not fits:
+    assert len(calls) == 1
+
+
 def test_budget_instances_cover_every_regime():
   """The seeds above hold infeasible budgets, binding ones, and a Lagrange gap (a plan
   within the budget no weight reaches). Measured on seeds 0-999 (before `repair`, which

@@ -469,7 +469,7 @@ class _Walker:
     self.literals: set[int] = set()
     self.regions: list[Region | None] = [None]
     self._type_cache: dict[tuple, TensorType] = {}
-    self._sig_cache: dict[str, str] = {}
+    self._sig_cache: dict[tuple, str] = {}
 
   def new_value(self, atom: Any) -> int:
     key = jx.aval_of(atom)
@@ -554,13 +554,19 @@ class _Walker:
     return region
 
   def _signature(self, primitive, params, inputs, outputs) -> str:
-    text = "|".join((
-        primitive, repr(params),
-        ";".join(f"{'L' if v in self.literals else ''}{self.types[v]}" for v in inputs),
-        ";".join(str(self.types[v]) for v in outputs)))
-    sig = self._sig_cache.get(text)
+    # Equal types are one `TensorType` object (`new_value`'s cache): its id names the
+    # type, and a tuple of ids is cheaper to look up than the text built from them.
+    types, literals = self.types, self.literals
+    key = (primitive, params, tuple(-id(types[v]) if v in literals else id(types[v])
+                                    for v in inputs),
+           tuple(id(types[v]) for v in outputs))
+    sig = self._sig_cache.get(key)
     if sig is None:
-      sig = self._sig_cache[text] = _digest(text)
+      text = "|".join((
+          primitive, repr(params),
+          ";".join(f"{'L' if v in literals else ''}{types[v]}" for v in inputs),
+          ";".join(str(types[v]) for v in outputs)))
+      sig = self._sig_cache[key] = _digest(text)
     return sig
 
 

@@ -183,6 +183,10 @@ def repair(problem: Problem, acts: Activations, assignment, tables, memory, budg
   return assignment
 
 
+# Tenfold rises of the Lagrange weight from 1e-12 before `fit_budget` gives up.
+_ESCALATIONS = 60
+
+
 def fit_budget(run: Callable[[float], Mapping[int, int]],
                memory: list[Table] | Sequence[list[Table]], budget: float) -> BudgetResult:
   """Bisection on the Lagrange weight of the memory tables until the plan fits them.
@@ -209,13 +213,13 @@ def fit_budget(run: Callable[[float], Mapping[int, int]],
     # answer the escalation gives. (Over several peaks the weight is on their sum,
     # which does not order their maximum.)
     last = hi
-    for _ in range(59):
+    for _ in range(_ESCALATIONS - 1):  # the same float the escalation reaches
       last *= 10
     leanest = run(last)
-    if used_by(leanest) > budget:
-      return BudgetResult(leanest, fits=False, weight=last * 10, used_bytes=used_by(leanest))
+    if (used := used_by(leanest)) > budget:
+      return BudgetResult(leanest, fits=False, weight=last * 10, used_bytes=used)
   best = None
-  for _ in range(60):
+  for _ in range(_ESCALATIONS):
     assignment = run(hi)
     used = used_by(assignment)
     if used <= budget:

@@ -160,6 +160,14 @@ def test_structurally_folded_styles_plan_to_the_unsharded_numbers(style):
   styles.assert_plan_runs_like_unsharded(styles.STYLES[style](3), {"data": 2, "model": 4})
 
 
+# The styles not planned and run elsewhere (`test_structurally_folded_styles_...` above;
+# rules_test's `PLANNED_STYLES`: linen_remat_names, nnx_remat, pytree_vit).
+@pytest.mark.parametrize("style", ["linen_remat", "linen_remat_dots", "linen_remat_offload",
+                                   "linen_inner_remat", "linen_scan_remat", "cnn_batchnorm"])
+def test_every_other_style_plans_to_the_unsharded_numbers(style):
+  styles.assert_plan_runs_like_unsharded(styles.STYLES[style](3), {"data": 2, "model": 4})
+
+
 @pytest.mark.parametrize("style", ["linen_remat", "linen_remat_names", "linen_inner_remat"])
 def test_remat_instance_holds_forward_recomputation_and_backward(style):
   f = fold(style_graph(style, 4))

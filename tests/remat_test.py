@@ -3,6 +3,7 @@ what `tapas.apply` runs (same numbers, the recompute really there)."""
 
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import pathlib
@@ -584,3 +585,38 @@ def test_a_scan_remat_holds_one_iteration_of_its_recomputation_at_its_own_peak()
   assert set(held) < set(made), (held, made)
   # The dots' results are read back (one per step); no cos is written.
   assert kinds.count("dot_general") == 4 and "cos" not in kinds, kinds
+
+
+@pytest.mark.parametrize("fraction", [0.15, 0.3, 0.43, 0.6, 1.01])
+def test_policies_that_cannot_fit_are_put_off_and_the_plan_is_the_same(fraction, monkeypatch):
+  """`choose` attempts a policy whose memory floor is over the budget only if no other
+  fits; the plan (or the error's leanest bytes) is the one every policy attempted
+  gives. The tightest budget fits nothing, so every policy is attempted there too."""
+  solve_mod = importlib.import_module("tapas_jax.solver.solve")
+  prep = _prepared()
+  budget = fraction * _budgeted()[0].stats.predicted_memory_bytes
+  floors = []
+
+  def run(prune):
+    calls = []
+    real_attempt, real_floor = solve_mod._by_elimination, solve_mod.memory_floor
+    monkeypatch.setattr(solve_mod, "_by_elimination",
+                        lambda *a, **k: calls.append(1) or real_attempt(*a, **k))
+    monkeypatch.setattr(solve_mod, "memory_floor", lambda *a: (
+        floors.append(real_floor(*a)) or floors[-1]) if prune else 0.0)
+    try:
+      out = solver.solve(prep.problem, memory_budget=budget, folded=prep.folded)
+      got = (out.choice, out.step_s, out.remat, out.activation_bytes, out.state_bytes)
+    except solver.InfeasibleBudgetError as e:
+      got = ("infeasible", e.leanest_bytes, str(e))
+    return got, len(calls)
+
+  (pruned, tried), (every, all_tried) = run(True), run(False)
+  assert pruned == every
+  put_off = sum(f > budget for f in floors)
+  if pruned[0] == "infeasible":
+    assert tried == all_tried  # nothing fits: the put off are attempted for the leanest
+  else:
+    assert tried == all_tried - put_off
+  if fraction == 0.43:  # this budget needs remat: the plain plan cannot fit it
+    assert put_off >= 1 and tried < all_tried

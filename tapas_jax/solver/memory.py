@@ -24,7 +24,8 @@ from tapas_jax.solver.tables import Table, evaluate_tables
 # `Activations`, `activations` and `loop_body_values` are built in `live` and named here
 # too: the memory model is where tests and the budget read them.
 __all__ = ["Activations", "activation_peak", "activation_tables", "activations",
-           "largest_live", "loop_body_values", "memory_tables", "memory_used"]
+           "largest_live", "loop_body_values", "memory_floor", "memory_tables",
+           "memory_used"]
 
 
 def memory_tables(problem: Problem,
@@ -149,13 +150,27 @@ def activation_peak(problem: Problem, acts: Activations,
   """(peak per-device bytes of live intermediates, program position of the peak)."""
   if not len(acts.nbytes):
     return 0.0, 0
-  per_device = _per_device(problem, acts, choice)
+  return _live_peak(acts, _per_device(problem, acts, choice))
+
+
+def _live_peak(acts: Activations, nbytes: np.ndarray) -> tuple[float, int]:
+  """(most bytes live at once, its position) with each entry taking `nbytes`."""
   delta = np.zeros(acts.length + 1)
-  np.add.at(delta, acts.start, per_device)
-  np.add.at(delta, np.minimum(acts.stop + 1, acts.length), -per_device)
+  np.add.at(delta, acts.start, nbytes)
+  np.add.at(delta, np.minimum(acts.stop + 1, acts.length), -nbytes)
   live = np.cumsum(delta)
   k = int(np.argmax(live))
   return float(live[k]), k
+
+
+def _is_copy(acts: Activations, k: int) -> bool:
+  """Whether entry k is a copy some layouts do without (`Activations.stored`,
+  `unless`, `only`)."""
+  return _stored(acts, k) is not None or bool(acts.unless_of(k) or acts.only_of(k))
+
+
+def _stored(acts: Activations, k: int) -> tuple[int, ...] | None:
+  return acts.stored[k] if acts.stored else None
 
 
 def activation_tables(problem: Problem, acts: Activations, at: int) -> list[Table]:
@@ -163,10 +178,9 @@ def activation_tables(problem: Problem, acts: Activations, at: int) -> list[Tabl
   total: dict[tuple[int, ...], float] = {}
   copies = []
   for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)):
-    stored = acts.stored[k] if acts.stored else None
-    if stored is not None or acts.unless_of(k) or acts.only_of(k):
-      copies.append(_copy_table(problem, float(acts.nbytes[k]), acts.dims[k], stored,
-                                acts.unless_of(k), acts.only_of(k)))
+    if _is_copy(acts, k):
+      copies.append(_copy_table(problem, float(acts.nbytes[k]), acts.dims[k],
+                                _stored(acts, k), acts.unless_of(k), acts.only_of(k)))
       continue
     key = _scope(problem, acts.dims[k])
     total[key] = total.get(key, 0.0) + float(acts.nbytes[k])
@@ -202,6 +216,28 @@ def memory_used(problem: Problem, acts: Activations, memory, assignment):
   choice = {c: problem.domains[c][i] for c, i in assignment.items()}
   peak, at = activation_peak(problem, acts, choice)
   return evaluate_tables(memory, assignment)[0] + peak, at, choice
+
+
+def memory_floor(problem: Problem, acts: Activations, memory: Iterable[Table]) -> float:
+  """A lower bound on `memory_used` over every plan, without solving: each input
+  table's least entry, plus, at the position where the most bytes are live whole, each
+  scope's least share of its values there. (Any plan's peak is at least what it holds
+  live there, and a sum's least is at least the sum of its terms' least.) Copies,
+  which some layouts do without (`Activations.stored`, `unless`, `only`), count
+  nothing. A remat policy whose floor is over the budget cannot fit, whatever the
+  search would choose.
+  """
+  floor = sum(float(t.value.min()) for t in memory)
+  if not len(acts.nbytes):
+    return floor
+  _, at = _live_peak(acts, acts.nbytes)
+  total: dict[tuple[int, ...], float] = {}
+  for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)).tolist():
+    if _is_copy(acts, k):
+      continue
+    key = _scope(problem, acts.dims[k])
+    total[key] = total.get(key, 0.0) + float(acts.nbytes[k])
+  return floor + sum(float(t.value.min()) for t in _bytes_tables(problem, total))
 
 
 def largest_live(problem: Problem, acts: Activations, choice, top: int = 3) -> str:

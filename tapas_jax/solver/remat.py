@@ -542,58 +542,76 @@ def _regathered_slices(problem: Problem, builder: TableBuilder, r: ScanRemat
 
 
 def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list[Table],
-           acts: Activations, attempt: Callable[[list[Table], Activations], object]):
+           acts: Activations, attempt: Callable[[list[Table], Activations], object],
+           may_fit: Callable[[Activations], bool] = lambda acts: True):
   """The fastest budgeted plan over remat policies per unique layer.
 
   Args:
     tables: the program's cost tables without remat.
     acts: its activations without remat.
     attempt: (cost tables, activations) -> a `BudgetResult` under the budget.
+    may_fit: activations -> False where no plan can fit the budget with them (a lower
+      bound, `memory.memory_floor`, over it). Such policies are attempted only if no
+      other fits: a plan that fits beats every one that does not, so the answer is the
+      same, and a deep stack that only fits rematerialised is not searched three times.
 
   Returns:
     (result, {unique layer index: policy} of the layers rematerialised, cost tables
     of the chosen plan, activations of the chosen plan).
   """
   layers = [u.index for u in folded.unique_layers if remat_able(folded, u.index)]
+  if not layers:
+    return attempt(tables, acts), {}, tables, acts
   combos: list[tuple[str, ...]]
   if len(POLICIES) ** len(layers) <= MAX_COMBINATIONS:
     combos = list(itertools.product(POLICIES, repeat=len(layers)))
   else:
     combos = [(p,) * len(layers) for p in POLICIES]
-  best = None
-  plain = attempt(tables, acts)
-  if not layers:
-    return plain, {}, tables, acts
-  if plain.assignment is not None:
-    step = evaluate_tables(tables, plain.assignment)[0]
-    # Remat only adds cost tables: when the budget does not bind (the unconstrained
-    # optimum fits), no policy can beat the plain plan.
-    if plain.fits and step <= evaluate_tables(
-        tables, attempt(tables, None).assignment)[0] * (1 + 1e-12):
-      return plain, {}, tables, acts
-    best = ((not plain.fits, step if plain.fits else plain.used_bytes), plain, {}, tables,
-            acts)
-  seen = {()}  # the recomputations tried: the plain plan recomputes nothing
+  # (modes, recomputations, activations) per distinct recomputation, the plain plan
+  # first. Policies that recompute the same ops as an earlier combination (a layer
+  # without dots, say) give the same plan, and the earlier one already wins any tie.
+  candidates, seen = [({}, [], acts)], {()}
   for combo in combos[1:]:
     modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
     remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
-    # Policies that recompute the same ops as an earlier combination (a layer without
-    # dots, say) give the same plan, and the earlier one already wins any tie.
-    if tuple(remats) in seen:
+    if tuple(remats) not in seen:
+      seen.add(tuple(remats))
+      candidates.append((modes, remats, None))
+  tried: list[tuple[tuple, int, object, dict, list[Table], Activations]] = []
+  put_off = []
+  for order, (modes, remats, here) in enumerate(candidates):
+    here = here if here is not None else with_remat(problem, acts, remats)
+    if not may_fit(here):
+      put_off.append((order, modes, remats, here))
       continue
-    seen.add(tuple(remats))
-    tabs = tables + recompute_tables(problem, builder, remats)
-    here = with_remat(problem, acts, remats)
+    tabs = tables + recompute_tables(problem, builder, remats) if remats else tables
     result = attempt(tabs, here)
-    if result.assignment is None:
-      continue
-    step = evaluate_tables(tabs, result.assignment)[0]
-    key = (not result.fits, step if result.fits else result.used_bytes)
-    if best is None or key < best[0]:
-      best = (key, result, modes, tabs, here)
-  if best is None:
-    return plain, {}, tables, acts
-  return best[1:]
+    if order == 0 and result.assignment is not None and result.fits:
+      step = evaluate_tables(tables, result.assignment)[0]
+      # Remat only adds cost tables: when the budget does not bind (the unconstrained
+      # optimum fits), no policy can beat the plain plan.
+      if step <= evaluate_tables(tables, attempt(tables, None).assignment)[0] * (1 + 1e-12):
+        return result, {}, tables, acts
+    tried.append(_ranked(order, result, modes, tabs, here))
+  if not any(t[0][0] is False for t in tried):  # none fits: the leanest of them all
+    for order, modes, remats, here in put_off:
+      tabs = tables + recompute_tables(problem, builder, remats) if remats else tables
+      tried.append(_ranked(order, attempt(tabs, here), modes, tabs, here))
+  found = [t for t in tried if t[2].assignment is not None]
+  if not found:
+    plain = next(t for t in tried if t[1] == 0)
+    return plain[2:]
+  return min(found, key=lambda t: (t[0], t[1]))[2:]
+
+
+def _ranked(order: int, result, modes, tabs, here) -> tuple:
+  """(rank, order, result, modes, tables, activations): plans that fit first, the
+  fastest of them; else the leanest."""
+  if result.assignment is None:
+    return (True, np.inf), order, result, modes, tabs, here
+  key = ((False, evaluate_tables(tabs, result.assignment)[0]) if result.fits
+         else (True, result.used_bytes))
+  return key, order, result, modes, tabs, here
 
 
 def policy_names(folded: Folded, modes: Mapping[int, str]) -> tuple[tuple[str, str], ...]:

@@ -45,7 +45,7 @@ from tapas_jax.solver import remat as rematlib
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.layouts import LayoutChoice
 from tapas_jax.solver.live import Activations, activations
-from tapas_jax.solver.memory import activation_peak, memory_tables
+from tapas_jax.solver.memory import activation_peak, memory_floor, memory_tables
 from tapas_jax.solver.plan_terms import plan_terms
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.result import Solution, Status
@@ -101,8 +101,9 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
 
   modes = {}
   if acts is not None and folded is not None:
-    result, modes, tables, acts = rematlib.choose(problem, folded, builder, tables, acts,
-                                                  attempt)
+    result, modes, tables, acts = rematlib.choose(
+        problem, folded, builder, tables, acts, attempt,
+        may_fit=lambda a: memory_floor(problem, a, objective.memory) <= memory_budget)
     objective = _Objective(problem, tables, objective.memory)
   else:
     result = attempt(tables, acts)

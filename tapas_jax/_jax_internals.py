@@ -86,6 +86,15 @@ def name_stack(eqn: Any) -> str:
   return str(eqn.source_info.name_stack)
 
 
+def name_stack_of(eqn: Any) -> Any:
+  """An equation's name-stack object (`name_stack_text` gives its text)."""
+  return eqn.source_info.name_stack
+
+
+def name_stack_text(stack: Any) -> str:
+  return str(stack)
+
+
 # -- name-stack syntax ------------------------------------------------------------
 
 # Name-stack components JAX itself pushes, naming no module: `jax.checkpoint`'s

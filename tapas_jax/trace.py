@@ -413,6 +413,14 @@ _IGNORED_PARAMS = frozenset({"name", "debug_info", "source_info", "ctx_mesh",
                              "donated_invars"})
 
 
+def _typed(value: Any) -> Any:
+  """A value with its type and its items' types: equal keys, equal `_canon` text
+  (8 and np.int64(8) are equal and hash alike, and their text differs)."""
+  if isinstance(value, tuple):  # dimension numbers too (named tuples)
+    return type(value), tuple(map(_typed, value))
+  return type(value), value
+
+
 def _canon(value: Any) -> str:
   if value is None or isinstance(value, (bool, int, float, str)):
     return repr(value)
@@ -470,6 +478,8 @@ class _Walker:
     self.regions: list[Region | None] = [None]
     self._type_cache: dict[tuple, TensorType] = {}
     self._sig_cache: dict[tuple, str] = {}
+    self._params_cache: dict[tuple, tuple[tuple[str, str], ...]] = {}
+    self._stacks: dict[int, tuple[Any, str]] = {}
 
   def new_value(self, atom: Any) -> int:
     key = jx.aval_of(atom)
@@ -491,13 +501,22 @@ class _Walker:
 
   def walk(self, jaxpr: Any, env: dict, region: int, stack: str, site: tuple) -> None:
     for here, eqn, subs, call in jx.walk_eqns(jaxpr, site):
-      inner = jx.name_stack(eqn)
+      inner = self._name_stack(eqn)
       full = f"{stack}/{inner}" if stack and inner else (stack or inner)
       inputs = tuple(self.read(env, a) for a in eqn.invars)
       if call is not None:
         self._inline(eqn, call, inputs, env, region, full, here)
         continue
       self._emit(eqn, subs, inputs, env, region, full, here)
+
+  def _name_stack(self, eqn: Any) -> str:
+    # Equations traced in one scope share one name-stack object; its text is built
+    # anew on every read. Kept with the object, so that its id is not reused.
+    stack = jx.name_stack_of(eqn)
+    known = self._stacks.get(id(stack))
+    if known is None:
+      known = self._stacks[id(stack)] = (stack, jx.name_stack_text(stack))
+    return known[1]
 
   def _bind_consts(self, body: Any, consts: tuple, env: dict) -> None:
     for var, _ in zip(body.constvars, consts):
@@ -523,16 +542,33 @@ class _Walker:
     outputs = tuple(self.new_value(a) for a in eqn.outvars)
     for var, v in zip(eqn.outvars, outputs):
       env[var] = v
-    params = tuple(sorted(
+    params = (self._params(eqn.params) if not fingerprints else tuple(sorted(
         (k, ",".join(fingerprints[k]) if k in fingerprints else _canon(v))
-        for k, v in eqn.params.items() if k not in _IGNORED_PARAMS))
+        for k, v in eqn.params.items() if k not in _IGNORED_PARAMS)))
     self.ops[index] = Op(index=index, primitive=eqn.primitive.name, params=params,
                          inputs=inputs, outputs=outputs, name_stack=stack, region=region,
                          signature=self._signature(eqn.primitive.name, params, inputs,
                                                    outputs),
                          subregions=tuple(subregions), site=site,
-                         raw_params={k: v for k, v in eqn.params.items()
-                                     if not jx.is_jaxpr_param(v)})
+                         # jax's own dict, never written to: a copy only without jaxprs
+                         raw_params=eqn.params if not subs else {
+                             k: v for k, v in eqn.params.items()
+                             if not jx.is_jaxpr_param(v)})
+
+  def _params(self, params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """`Op.params` of an equation without jaxprs in its params, kept by their values:
+    a layer's equations repeat in every copy of it."""
+    try:
+      key = tuple((k, _typed(v)) for k, v in params.items())
+      out = self._params_cache.get(key)
+    except TypeError:  # an unhashable value (an array)
+      key, out = None, None
+    if out is None:
+      out = tuple(sorted((k, _canon(v)) for k, v in params.items()
+                         if k not in _IGNORED_PARAMS))
+      if key is not None:
+        self._params_cache[key] = out
+    return out
 
   def _walk_region(self, eqn, key, idx, jaxpr, op_index, parent, stack, site) -> Region:
     body, consts = jx.open_jaxpr(jaxpr)

@@ -215,3 +215,22 @@ def test_keyword_arguments_trace_after_the_positional_ones_in_name_order():
   assert g.num_args == 3
   same = trace(lambda w, b, x: f(w, x=x, b=b), sds(4, 8), {"bias": sds(8)}, sds(2, 4))
   assert same.regions[0].fingerprint == g.regions[0].fingerprint
+
+
+def test_params_kept_by_value_keep_the_text_of_their_own_types():
+  """The walk keeps equations' canonical params by value (a layer's repeat in every
+  copy); values equal across types (8 and np.int64(8), in a named tuple too) keep the
+  text each type gives, as canonicalising each equation anew does."""
+  walker = trace_module._Walker()
+  dn = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                      start_index_map=(0,))
+  dn64 = jax.lax.GatherDimensionNumbers(offset_dims=(np.int64(1),),
+                                        collapsed_slice_dims=(0,), start_index_map=(0,))
+  cases = [{"sizes": (8, 8), "axis": 3}, {"sizes": (np.int64(8), np.int64(8)), "axis": 3},
+           {"axes": (True,)}, {"axes": (1,)}, {"dimension_numbers": dn},
+           {"dimension_numbers": dn64}, {"sizes": (8, 8), "axis": 3, "name": "x"}]
+  fresh = [tuple(sorted((k, trace_module._canon(v)) for k, v in c.items()
+                        if k not in trace_module._IGNORED_PARAMS)) for c in cases]
+  assert [walker._params(c) for c in cases] == fresh
+  assert [walker._params(c) for c in reversed(cases)] == fresh[::-1]  # from the cache
+  assert len({fresh[0], fresh[1]}) == 2 and len({fresh[4], fresh[5]}) == 2

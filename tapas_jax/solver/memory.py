@@ -231,12 +231,14 @@ def memory_floor(problem: Problem, acts: Activations, memory: Iterable[Table]) -
   if not len(acts.nbytes):
     return floor
   _, at = _live_peak(acts, acts.nbytes)
+  kinds, index = acts.kinds
+  live = (acts.start <= at) & (acts.stop >= at)
+  per_kind = np.bincount(index[live], weights=acts.nbytes[live], minlength=len(kinds))
   total: dict[tuple[int, ...], float] = {}
-  for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)).tolist():
-    if _is_copy(acts, k):
-      continue
-    key = _scope(problem, acts.dims[k])
-    total[key] = total.get(key, 0.0) + float(acts.nbytes[k])
+  for (dims, stored, unless, only), nbytes in zip(kinds, per_kind.tolist()):
+    if nbytes and stored is None and not unless and not only:
+      key = _scope(problem, dims)
+      total[key] = total.get(key, 0.0) + nbytes
   return floor + sum(float(t.value.min()) for t in _bytes_tables(problem, total))
 
 

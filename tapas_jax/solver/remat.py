@@ -567,19 +567,9 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
     combos = list(itertools.product(POLICIES, repeat=len(layers)))
   else:
     combos = [(p,) * len(layers) for p in POLICIES]
-  # (modes, recomputations, activations) per distinct recomputation, the plain plan
-  # first. Policies that recompute the same ops as an earlier combination (a layer
-  # without dots, say) give the same plan, and the earlier one already wins any tie.
-  candidates, seen = [({}, [], acts)], {()}
-  for combo in combos[1:]:
-    modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
-    remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
-    if tuple(remats) not in seen:
-      seen.add(tuple(remats))
-      candidates.append((modes, remats, None))
   tried: list[tuple[tuple, int, object, dict, list[Table], Activations]] = []
   put_off = []
-  for order, (modes, remats, here) in enumerate(candidates):
+  for order, (modes, remats, here) in enumerate(_candidates(folded, layers, combos, acts)):
     here = here if here is not None else with_remat(problem, acts, remats)
     if not may_fit(here):
       put_off.append((order, modes, remats, here))
@@ -602,6 +592,21 @@ def choose(problem: Problem, folded: Folded, builder: TableBuilder, tables: list
     plain = next(t for t in tried if t[1] == 0)
     return plain[2:]
   return min(found, key=lambda t: (t[0], t[1]))[2:]
+
+
+def _candidates(folded: Folded, layers: Sequence[int], combos, acts: Activations):
+  """(modes, recomputations, activations or None) per distinct recomputation, the plain
+  plan first, each listed only when asked for (the plain plan usually settles it).
+  Policies that recompute the same ops as an earlier combination (a layer without
+  dots, say) give the same plan, and the earlier one already wins any tie."""
+  yield {}, [], acts
+  seen = {()}
+  for combo in combos[1:]:
+    modes = {u: p for u, p in zip(layers, combo) if p != NO_REMAT}
+    remats = [r for u, p in modes.items() for r in layer_remats(folded, u, p)]
+    if tuple(remats) not in seen:
+      seen.add(tuple(remats))
+      yield modes, remats, None
 
 
 def _ranked(order: int, result, modes, tabs, here) -> tuple:

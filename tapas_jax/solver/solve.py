@@ -103,7 +103,9 @@ def solve(problem: Problem, reuse: bool = True, solver: str = "elimination",
   if acts is not None and folded is not None:
     result, modes, tables, acts = rematlib.choose(
         problem, folded, builder, tables, acts, attempt,
-        may_fit=lambda a: memory_floor(problem, a, objective.memory) <= memory_budget)
+        # Slack for the floor's sums, added in another order than a plan's.
+        may_fit=lambda a: memory_floor(problem, a, objective.memory)
+        <= memory_budget * (1 + 1e-9))
     objective = _Objective(problem, tables, objective.memory)
   else:
     result = attempt(tables, acts)

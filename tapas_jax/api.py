@@ -380,13 +380,13 @@ def baseline_figures(problem: solverlib.Problem, table_cache: dict | None = None
       so that only tables the batch's wider domain or the fixed FSDP layouts change
       are built again (a table's key holds its classes' domains).
   """
-  problem = solverlib.with_batch_axes(problem, None)
-  every = tuple(a for a in problem.mesh.axis_names if problem.mesh.size(a) > 1)
+  wide = solverlib.with_batch_axes(problem, None)
+  every = tuple(a for a in wide.mesh.axis_names if wide.mesh.size(a) > 1)
   out = []
   for name in ("data_parallel", "fsdp"):
-    layout = solverlib.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")
-    solution = solverlib.evaluate(problem, layout, table_cache=table_cache,
-                                  figures_only=True)
+    layout = solverlib.layout_choice(wide, batch_axes=every, fsdp=name == "fsdp")
+    solution = solverlib.evaluate(wide, layout, table_cache=table_cache,
+                                  figures_only=True, pin_batch=wide.domains != problem.domains)
     out.append(planlib.BaselineFigures(
         name=name, step_s=solution.step_s, comm_bytes=solution.comm_bytes,
         memory_bytes=solution.memory_bytes))

@@ -667,8 +667,8 @@ def test_layout_choice_states_the_expert_layouts(options, splits):
 @pytest.mark.parametrize("family,device", [("gpt", "h100"), ("t5", "tpu-v5p"),
                                            ("resnet", "cpu"), ("moe", "h100")])
 def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
-  # `figures_only` builds each table over the chosen options only: the same floats,
-  # for every expert layout, with remat too.
+  # `figures_only` builds each table over the chosen options only (or, unpinned, looks
+  # up the full costing's): the same floats, for every expert layout, with remat too.
   m = models.get_model(family, "tiny")
   prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
                          mesh={"data": 2, "model": 4}, device=device)
@@ -681,10 +681,13 @@ def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
     cache: dict = {}
     full = solver.evaluate(problem, layout, table_cache=cache, folded=prepared.folded,
                            remat=remat)
-    alone = solver.evaluate(problem, layout, table_cache=cache, folded=prepared.folded,
-                            remat=remat, figures_only=True)
-    assert (alone.step_s, alone.comm_bytes, alone.state_bytes, alone.activation_bytes) == (
-        full.step_s, full.comm_bytes, full.state_bytes, full.activation_bytes), options
+    for pin in (True, False):  # pinned, or looked up in the full costing's tables
+      built = cache.copy()
+      alone = solver.evaluate(problem, layout, table_cache=built, folded=prepared.folded,
+                              remat=remat, figures_only=True, pin_batch=pin)
+      assert (alone.step_s, alone.comm_bytes, alone.state_bytes, alone.activation_bytes) == (
+          full.step_s, full.comm_bytes, full.state_bytes, full.activation_bytes), options
+      assert (alone.tables_built > 0) == pin  # unpinned: every table is the full one's
     assert full.comm_bytes > 0  # a layout that communicates: nothing trivially equal
 
 

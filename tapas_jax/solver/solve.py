@@ -256,8 +256,8 @@ def _by_ilp(problem: Problem, objective: _Objective, acts, budget, time_limit,
 def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutChoice,
              input_layouts: Mapping[int, costlib.Layout] | None = None,
              table_cache: dict | None = None, folded=None,
-             remat: Mapping[int, str] | None = None, figures_only: bool = False
-             ) -> Solution:
+             remat: Mapping[int, str] | None = None, figures_only: bool = False,
+             pin_batch: bool = True) -> Solution:
   """Predicted cost of a given class choice (and optional fixed input layouts).
 
   Baselines (data parallel, FSDP, Megatron) are choices costed here by the same model.
@@ -270,10 +270,12 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
     remat: unique layer index -> `jax.checkpoint` policy (`solver.remat.POLICIES`) of
       the layers rematerialised; their recompute is costed as the search costs it.
     table_cache: as for `solve`: the search's tables and activations, shared.
-    figures_only: the figures alone (a report's baseline): the batch classes' tables
-      are built over the chosen option only (a baseline widens the batch's domain, so
-      those tables are built again anyway; the others are the search's, cached), and
-      neither `reasons` nor `terms` is made. The same figures.
+    figures_only: the figures alone (a report's baseline): neither `reasons` nor
+      `terms` is made, and with `pin_batch` the batch classes' tables are built over
+      the chosen option only (where a baseline widens the batch's domain, those tables
+      are built again anyway; the others are the search's, cached). The same figures.
+    pin_batch: False where the batch's domain is the one the cached tables were built
+      over (the search let the batch take every axis): they are all looked up.
   """
   start = time.perf_counter()
   if isinstance(choice, LayoutChoice):
@@ -288,7 +290,7 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
                        f"{problem.domains[c]}")
     index[c] = problem.domains[c].index(axes)
   costed = problem
-  if figures_only:  # the batch's options: the choice's own alone
+  if figures_only and pin_batch:  # the batch's options: the choice's own alone
     pinned = {c.index for c in problem.classes if c.batch}
     costed = dataclasses.replace(problem, domains=tuple(
         (d[index.get(c, 0)],) if c in pinned else d for c, d in enumerate(problem.domains)))

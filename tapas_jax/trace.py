@@ -418,6 +418,8 @@ def _typed(value: Any) -> Any:
   (8 and np.int64(8) are equal and hash alike, and their text differs)."""
   if isinstance(value, tuple):  # dimension numbers too (named tuples)
     return type(value), tuple(map(_typed, value))
+  if isinstance(value, (float, np.floating)):  # 0.0 == -0.0
+    return type(value), repr(value)
   return type(value), value
 
 
@@ -550,7 +552,8 @@ class _Walker:
                          signature=self._signature(eqn.primitive.name, params, inputs,
                                                    outputs),
                          subregions=tuple(subregions), site=site,
-                         # jax's own dict, never written to: a copy only without jaxprs
+                         # jax's own dict (read, never written); copied only to leave
+                         # out the jaxprs of an equation that has some
                          raw_params=eqn.params if not subs else {
                              k: v for k, v in eqn.params.items()
                              if not jx.is_jaxpr_param(v)})

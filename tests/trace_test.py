@@ -228,9 +228,11 @@ def test_params_kept_by_value_keep_the_text_of_their_own_types():
                                         collapsed_slice_dims=(0,), start_index_map=(0,))
   cases = [{"sizes": (8, 8), "axis": 3}, {"sizes": (np.int64(8), np.int64(8)), "axis": 3},
            {"axes": (True,)}, {"axes": (1,)}, {"dimension_numbers": dn},
-           {"dimension_numbers": dn64}, {"sizes": (8, 8), "axis": 3, "name": "x"}]
+           {"dimension_numbers": dn64}, {"sizes": (8, 8), "axis": 3, "name": "x"},
+           {"y": 0.0}, {"y": -0.0}, {"y": np.float32(-0.0)}]
   fresh = [tuple(sorted((k, trace_module._canon(v)) for k, v in c.items()
                         if k not in trace_module._IGNORED_PARAMS)) for c in cases]
   assert [walker._params(c) for c in cases] == fresh
   assert [walker._params(c) for c in reversed(cases)] == fresh[::-1]  # from the cache
   assert len({fresh[0], fresh[1]}) == 2 and len({fresh[4], fresh[5]}) == 2
+  assert len({fresh[7], fresh[8], fresh[9]}) == 3

@@ -28,6 +28,9 @@ the same step on the same abstract inputs (issue 19 item 6: within 1.25x), each 
 fresh process, the fastest of `--repeat`:
 
   python scripts/bench_search_time.py --vs-jaxpr=32 --batch-axes=data --repeat=2
+  python scripts/bench_search_time.py --vs-jaxpr=32 --batch-axes=data --budget=inf
+
+(`--budget`: "default", "inf" or bytes with --vs-jaxpr and --depths.)
 """
 
 import argparse
@@ -135,7 +138,8 @@ def _vs_jaxpr(flags) -> None:
   """The call end to end over a bare make_jaxpr of its step, each in fresh processes."""
   common = [f"--model={flags.model}", f"--config={flags.config}", f"--mesh={flags.mesh}",
             f"--device={flags.device}", f"--batch={flags.batch}", f"--style={flags.style}",
-            f"--clock={flags.clock}", f"--batch-axes={flags.batch_axes}"]
+            f"--clock={flags.clock}", f"--batch-axes={flags.batch_axes}",
+            f"--budget={flags.budget}"]
   bare, calls = [], []
   for _ in range(flags.repeat):
     for mode, out in ((f"--bare={flags.vs_jaxpr}", bare), (f"--one={flags.vs_jaxpr}", calls)):
@@ -146,7 +150,8 @@ def _vs_jaxpr(flags) -> None:
   c = min(calls, key=lambda r: r["wall_s"])
   what = f"style {flags.style}" if flags.style else f"{flags.model} {flags.config}"
   print(f"{what}, {flags.vs_jaxpr} layers, batch {flags.batch}, mesh {flags.mesh}, "
-        f"{flags.device}, batch_axes {_batch_axes(flags)}; fastest of {flags.repeat}, "
+        f"{flags.device}, batch_axes {_batch_axes(flags)}, budget {flags.budget}; fastest "
+        f"of {flags.repeat}, "
         f"{flags.clock} seconds")
   print(f"bare make_jaxpr {b:.2f} s; tapas.search {c['wall_s']:.2f} s end to end (trace "
         f"{c['trace_s']:.2f}, fold {c['fold_s']:.2f}, search {c['search_s']:.2f}, plan "
@@ -158,7 +163,9 @@ def _one(flags) -> None:
   mesh = {k: int(v) for k, v in (item.split("=") for item in flags.mesh.split(","))}
   args = _step(flags, flags.one)
   start = time.perf_counter()
-  plan = tapas.search(*args, mesh=mesh, device=flags.device, batch_axes=_batch_axes(flags))
+  budget = None if flags.budget == "default" else float(flags.budget)  # "inf" too
+  plan = tapas.search(*args, mesh=mesh, device=flags.device, batch_axes=_batch_axes(flags),
+                      memory_budget=budget)
   wall = time.perf_counter() - start
   # A commit before plan_s / report_s counts them in none (its "other" column).
   row = {k: getattr(plan.stats, k, 0.0) for k in _STAGES}
@@ -178,7 +185,8 @@ def _depths(flags) -> None:
     for _ in range(flags.repeat):
       cmd = [sys.executable, __file__, f"--one={d}", f"--model={flags.model}",
              f"--config={flags.config}", f"--mesh={flags.mesh}", f"--device={flags.device}",
-             f"--batch={flags.batch}", f"--style={flags.style}", f"--clock={flags.clock}"]
+             f"--batch={flags.batch}", f"--style={flags.style}", f"--clock={flags.clock}",
+             f"--budget={flags.budget}"]
       out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
       runs.append(json.loads(out.strip().splitlines()[-1]))
     r = rows[d] = min(runs, key=lambda r: r["wall_s"])

@@ -82,10 +82,6 @@ def _dtype_name(dtype: Any) -> str:
   return name
 
 
-def name_stack(eqn: Any) -> str:
-  return str(eqn.source_info.name_stack)
-
-
 def name_stack_of(eqn: Any) -> Any:
   """An equation's name-stack object (`name_stack_text` gives its text)."""
   return eqn.source_info.name_stack

@@ -164,9 +164,14 @@ def _live_peak(acts: Activations, nbytes: np.ndarray) -> tuple[float, int]:
 
 
 def _is_copy(acts: Activations, k: int) -> bool:
-  """Whether entry k is a copy some layouts do without (`Activations.stored`,
-  `unless`, `only`)."""
-  return _stored(acts, k) is not None or bool(acts.unless_of(k) or acts.only_of(k))
+  """Whether entry k is a copy some layouts do without."""
+  return _copy_kind(_stored(acts, k), acts.unless_of(k), acts.only_of(k))
+
+
+def _copy_kind(stored, unless, only) -> bool:
+  """Whether an entry so stored (`Activations.stored`, `unless`, `only`) is a copy
+  some layouts do without."""
+  return stored is not None or bool(unless or only)
 
 
 def _stored(acts: Activations, k: int) -> tuple[int, ...] | None:
@@ -236,7 +241,7 @@ def memory_floor(problem: Problem, acts: Activations, memory: Iterable[Table]) -
   per_kind = np.bincount(index[live], weights=acts.nbytes[live], minlength=len(kinds))
   total: dict[tuple[int, ...], float] = {}
   for (dims, stored, unless, only), nbytes in zip(kinds, per_kind.tolist()):
-    if nbytes and stored is None and not unless and not only:
+    if nbytes and not _copy_kind(stored, unless, only):
       key = _scope(problem, dims)
       total[key] = total.get(key, 0.0) + nbytes
   return floor + sum(float(t.value.min()) for t in _bytes_tables(problem, total))

@@ -8,9 +8,9 @@ space from `*buffer-assignment.txt`. Buffers in memory space S(1) (on-chip copie
 memory-space assignment makes) are left out, and buffers at one offset of one
 allocation whose live ranges meet are one buffer (an in-place op's result, such as an
 all-reduce's, shares its operand's); the peak with every buffer counted on its own is
-printed beside it, the two bracketing `peak_memory_in_bytes` on the programs read so
-far. Prints the largest buffers live at the peak, and the bytes the compiler keeps on
-chip (S(1)) there and at most.
+printed beside it. Both count the arguments by their live ranges, so neither is
+`peak_memory_in_bytes` (see below). Prints the largest buffers live at the peak, and
+the bytes the compiler keeps on chip (S(1)) there and at most.
 
 Also printed (`temporaries_peak`): the arguments' allocations whole, plus the most
 bytes the temporaries' allocation holds live at once (its buffers merged as above),
@@ -188,8 +188,9 @@ def main():
         f"allocations: arguments {args / 2**20:.2f} MiB + temporaries {temp / 2**20:.2f} MiB"
         f" = {(args + temp) / 2**20:.2f} MiB")
   args, temps, temps_at, live_temps = temporaries_peak(folder, a.top)
-  print(f"peak_memory_in_bytes rebuilt: arguments {args / 2**20:.2f} MiB + temporaries "
-        f"live at point {temps_at} {temps / 2**20:.2f} MiB = {(args + temps) / 2**20:.2f} MiB")
+  print(f"arguments whole {args / 2**20:.2f} MiB + temporaries live at point {temps_at} "
+        f"{temps / 2**20:.2f} MiB = {(args + temps) / 2**20:.2f} MiB (peak_memory_in_bytes "
+        "on the small zoo)")
   for size, name, start, end in live_temps:
     print(f"  {size / 2**20:9.2f} MiB  {name}  live {start}-{end}")
   chip = on_chip(folder)

@@ -14,7 +14,7 @@ the bytes the compiler keeps on chip (S(1)) there and at most.
 
 Also printed (`temporaries_peak`): the arguments' allocations whole, plus the most
 bytes the temporaries' allocation holds live at once (its buffers merged as above),
-with the temporaries live there. On the five small-zoo rows read on both libtpu lines
+with the temporaries live there. On the six small-zoo rows read on both libtpu lines
 (BENCHMARKS.md, "The compiler's peak is its arguments and its live temporaries") their
 sum is `peak_memory_in_bytes` to 0.01 MiB: no gaps of the heap's packing in it. On a
 tiny GPT (FSDP, v5p:2x2x1) it is 0.56 MB under the compiler's 2.93 MB, not understood.

@@ -63,7 +63,7 @@ _SHORT = {"all-gather": "ag", "all-reduce": "ar", "reduce-scatter": "rs", "all-t
 
 def zoo(a, mesh):
   print(f"jax {jax.__version__}; zoo at {a.zoo_config}; topology {a.topology}; mesh {mesh}; "
-        f"batch {a.batch}; profile {a.device}")
+        f"batch {a.batch}; profile {a.device}; state layouts {a.state_layouts}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
         "pred / comp | live MiB | pred / live | predicted sent KiB | compiled sent KiB ("
         + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |"
@@ -86,7 +86,8 @@ def zoo(a, mesh):
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r = tapas.verify(plan, args[0], *args[1:], topology=a.topology, donate_argnums=0,
-                         compiler_options={"xla_dump_to": folder} if folder else None)
+                         compiler_options={"xla_dump_to": folder} if folder else None,
+                         layouts=a.state_layouts)
       dumped = ""
       if folder:  # the peak the compiler's own live-range dump lists
         own = tpu_peak.listed(folder)[0]
@@ -177,6 +178,8 @@ def main():
   p.add_argument("--families", default=None,
                  help="default: the zoo (with --zoo_config=small, models.SMALL's)")
   p.add_argument("--layouts", default=None)
+  p.add_argument("--state_layouts", default="default",
+                 help="the state's in-memory layouts (tapas.apply's layouts=): default or auto")
   p.add_argument("--config", default="llama3-8b", help="--real: the LLaMA config")
   p.add_argument("--zoo_config", default="tiny",
                  help="the zoo's config: 'tiny', or 'small' (models.SMALL: real widths, "

@@ -159,7 +159,7 @@ def _compile(a) -> str:
             baselines.baseline(a.layout, *args, mesh=axes, family=a.family, device=a.device))
   folder = tempfile.mkdtemp(prefix="tpu_peak_")
   got = tapas.verify(plan, *args, topology=a.topology, donate_argnums=0,
-                     compiler_options={"xla_dump_to": folder})
+                     compiler_options={"xla_dump_to": folder}, layouts=a.state_layouts)
   print(f"{a.family} ({a.config}) {a.layout} on {a.topology}, batch {a.batch}: predicted "
         f"{plan.stats.predicted_memory_bytes / 2**20:.2f} MiB, peak_memory_in_bytes "
         f"{got.live_peak_bytes / 2**20:.2f} MiB; dumps in {folder}")
@@ -176,6 +176,8 @@ def main():
   parser.add_argument("--device", default="tpu-v5p")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--top", type=int, default=15)
+  parser.add_argument("--state_layouts", default="default",
+                      help="tapas.apply's layouts=: default or auto")
   parser.add_argument("--read", default="", help="a folder of dumps: read, compile nothing")
   a = parser.parse_args()
   folder = a.read or _compile(a)

@@ -23,10 +23,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tapas_jax import _jax_internals as jx
@@ -149,7 +152,8 @@ def place(plan: planlib.Plan, *args: Any, mesh: Any = None,
 
 def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
           donate_argnums: int | Sequence[int] = (),
-          donate_argnames: str | Sequence[str] = ()) -> Callable[..., Any]:
+          donate_argnames: str | Sequence[str] = (),
+          layouts: str = "default") -> Callable[..., Any]:
   """`fn` jitted to run as the plan says.
 
   Args:
@@ -163,6 +167,16 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
       arguments, or `fn`'s parameters searched positionally.
     donate_argnums: positional arguments to donate, as for `jax.jit` (donate the
       state to update it in place).
+    layouts: the in-memory layouts of the state, the donated arguments of rank 2 and
+      more that `fn` returns the next value of. "default": JAX's. "auto": the
+      compiler's (`Layout.AUTO` for them in and out). In JAX's layouts the TPU
+      compiler updates a kernel transposed from how it stores it: it copies the
+      kernel and both Adam moments into the update's layout and back, copies the plans'
+      memory model does not count; in its own layouts it makes none (BENCHMARKS.md,
+      "The state in the compiler's layouts": up to 23% less peak memory on the small
+      zoo). Under "auto" the first call puts state arrays of another layout into the
+      compiled one (`jax.device_put`, donating them; the outputs are already there),
+      and inside another trace (a `jax.jit` around the step) JAX's layouts hold.
 
   Returns:
     A `jax.jit`-wrapped function with `fn`'s signature (and `.lower`); keyword
@@ -183,7 +197,10 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
                               "pass the step searched: tapas.apply(plan, step).")
   donate = options.donate_argnums(donate_argnums, len(plan.in_specs))
   donate += _donated_names(plan, fn, donate_argnames)
-  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))))
+  if layouts not in ("auto", "default"):
+    raise options.OptionError(f"apply: layouts={layouts!r}; pass 'default' (JAX's "
+                              "layouts) or 'auto' (the compiler lays out the state).")
+  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))), layouts == "auto")
 
 
 def _donated_names(plan: planlib.Plan, fn, names: str | Sequence[str]) -> tuple[int, ...]:
@@ -217,12 +234,15 @@ class _Applied:
   for a mismatch do not say which plan or what to do). One `jax.jit` per argument
   structure: a loaded plan's specs take the structure of the arguments they meet."""
 
-  def __init__(self, plan: planlib.Plan, fn, mesh, donate: tuple[int, ...]):
+  def __init__(self, plan: planlib.Plan, fn, mesh, donate: tuple[int, ...],
+               auto_layouts: bool = False):
     self.plan, self.fn, self.mesh, self.donate = plan, fn, mesh, donate
+    self.auto_layouts = auto_layouts
     self.pins: dict[tuple, list[tuple[int, NamedSharding]]] = {}
     for c in plan.constraints:
       self.pins.setdefault(tuple(c.site), []).append((c.slot, NamedSharding(mesh, c.spec)))
     self._jitted: dict[Any, Any] = {}
+    self._laid_out: dict[Any, _LaidOut] = {}
 
   def _prepare(self, args, kwargs):
     args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
@@ -233,7 +253,8 @@ class _Applied:
     if key not in self._jitted:
       call = _Call(self.plan, args, kwargs, "apply")
       shardings = call.shardings(self.mesh)
-      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings, call.where)
+      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings, call.where,
+                           key)
     return values, self._jitted[key]
 
   def _jit(self, num_positional: int, names: Sequence[str], in_shardings):
@@ -262,10 +283,25 @@ class _Applied:
 
     return jax.jit(run, in_shardings=in_shardings, donate_argnums=self.donate)
 
+  def _laid_out_for(self, key, values, jitted, shardings, names) -> _LaidOut:
+    """The step with the state's layouts left to the compiler, once per structure."""
+    if key not in self._laid_out:
+      n = len(values) - len(names)
+      graph, _, out_shape = tracelib.trace_with_jaxpr(
+          self.fn, *values[:n], kwargs=dict(zip(names, values[n:])))
+      self._laid_out[key] = _LaidOut.of(jitted.__wrapped__, values, shardings, out_shape,
+                                        graph.carried, self.donate)
+    return self._laid_out[key]
+
   def __call__(self, *args, **kwargs):
-    values, (jitted, shardings, where) = self._prepare(args, kwargs)
+    values, (jitted, shardings, where, key) = self._prepare(args, kwargs)
+    call = jitted
+    # Layouts are a compiled program's: inside another trace the default ones hold.
+    if self.auto_layouts and not any(jx.is_tracer(x) for x in jax.tree.leaves(values)):
+      laid_out = self._laid_out_for(key, values, jitted, shardings, key[1])
+      call, values = laid_out.compiled(), laid_out.relayout(values)
     try:
-      return jitted(*values)
+      return call(*values)
     except ValueError as e:
       found = _committed_elsewhere(where, values, shardings)
       if found is None:
@@ -273,8 +309,64 @@ class _Applied:
       raise ValueError(found) from e
 
   def lower(self, *args, **kwargs):
-    values, (jitted, _, _) = self._prepare(args, kwargs)
+    values, (jitted, shardings, _, key) = self._prepare(args, kwargs)
+    if self.auto_layouts:
+      return self._laid_out_for(key, values, jitted, shardings, key[1]).lower()
     return jitted.lower(*values)
+
+
+@dataclasses.dataclass
+class _LaidOut:
+  """A step whose carried state the compiler lays out (`Layout.AUTO` in and out): the
+  donated inputs of rank 2 and more whose next value the step returns."""
+  jitted: Any
+  abstract: tuple[Any, ...]
+  auto: tuple[int, ...]  # flat input leaves laid out by the compiler
+  _compiled: Any = None
+
+  @classmethod
+  def of(cls, run, values, shardings, out_shape, carried, donate) -> _LaidOut:
+    flat_in, in_tree = jax.tree.flatten(shardings)
+    leaves = jax.tree.leaves(values)
+    starts = np.cumsum([0] + [len(jax.tree.leaves(s)) for s in shardings])
+    donated = {j for i in donate for j in range(starts[i], starts[i + 1])}
+    pairs = [(k, j) for k, j in carried
+             if j in donated and getattr(leaves[j], "ndim", 0) >= 2]
+    formats = list(flat_in)
+    outs: list[Any] = [None] * len(jax.tree.leaves(out_shape))
+    for k, j in pairs:
+      formats[j] = outs[k] = Format(Layout.AUTO, flat_in[j])
+    auto = tuple(sorted({j for _, j in pairs}))
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=flat_in[j],
+                                     weak_type=getattr(x, "weak_type", False))
+                if j in auto else x for j, x in enumerate(leaves)]
+    jitted = jax.jit(run, in_shardings=jax.tree.unflatten(in_tree, formats),
+                     out_shardings=jax.tree.unflatten(jax.tree.structure(out_shape), outs),
+                     donate_argnums=donate)
+    return cls(jitted, tuple(jax.tree.unflatten(jax.tree.structure(values), abstract)), auto)
+
+  def lower(self):
+    return self.jitted.lower(*self.abstract)
+
+  def compiled(self):
+    if self._compiled is None:
+      self._compiled = self.lower().compile()
+    return self._compiled
+
+  def relayout(self, values: tuple) -> tuple:
+    """The state put into the compiled layouts where it is elsewhere (the first call;
+    the step's outputs are already there). An array on other devices or shardings is
+    left for the call to refuse, naming it."""
+    leaves, tree = jax.tree.flatten(values)
+    want = jax.tree.leaves(self.compiled().input_formats[0])
+    for j in self.auto:
+      x, fmt = leaves[j], want[j]
+      if not isinstance(x, jax.Array):
+        leaves[j] = jax.device_put(x, fmt)
+      elif (x.format.layout != fmt.layout
+            and x.sharding.is_equivalent_to(fmt.sharding, x.ndim)):
+        leaves[j] = jax.device_put(x, fmt, donate=True)
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _as_searched(fn, plan: planlib.Plan, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

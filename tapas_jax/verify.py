@@ -342,7 +342,8 @@ def _abstract(x):
 def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str | None = None,
            donate_argnums: int | Sequence[int] = (), kwargs: Mapping[str, Any] | None = None,
            hbm_bytes: float | str | None = None,
-           compiler_options: Mapping[str, Any] | None = None) -> Verified:
+           compiler_options: Mapping[str, Any] | None = None,
+           layouts: str = "default") -> Verified:
   """Compiles `tapas.apply(plan, fn)` for `topology` (or the local devices) and reads
   the compiler's memory, collectives and FLOPs next to the plan's predictions.
 
@@ -360,6 +361,8 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
     compiler_options: passed to `compile()` as they are (XLA's debug options, say
       {"xla_dump_to": folder} for the compiler's buffer assignment, which
       `scripts/tpu_peak.py` reads).
+    layouts: as for `tapas.apply`: the state's layouts, "default" (JAX's) or "auto"
+      (the compiler's); compile the layouts the step will run in.
 
   Returns:
     A `Verified` record; `record.fits` is False, with `record.missing_bytes`, where the
@@ -388,7 +391,7 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
   devices = list(mesh.devices.flat)
   hbm, source = (override, "given") if override else _hbm(devices, plan, tpu)
   abstract = jax.tree_util.tree_map(_abstract, (args, dict(kwargs or {})))
-  step = apply_plan(plan, fn, mesh=mesh, donate_argnums=donate_argnums)
+  step = apply_plan(plan, fn, mesh=mesh, donate_argnums=donate_argnums, layouts=layouts)
   base = dict(plan_name=plan.name, target=topology if tpu else f"local {devices[0].platform}",
               device_kind=devices[0].device_kind, num_devices=len(devices),
               predicted_memory_bytes=plan.stats.predicted_memory_bytes,

@@ -90,6 +90,10 @@ _VERIFY = flags.DEFINE_string(
     "libtpu, on this machine: the search runs again under a lower budget until the TPU "
     "compiler's peak fits (--strategy=tapas). Works with --plan_only; needs "
     "pip install 'tapas_jax[tpu]'.")
+_LAYOUTS = flags.DEFINE_enum(
+    "layouts", "default", ["default", "auto"], "The state's in-memory layouts: default "
+    "(JAX's) or auto (the compiler's; on TPU, no relayout copies of each kernel and its "
+    "optimizer state around its update). --verify compiles the same.")
 _STEPS = flags.DEFINE_integer("steps", None, "Train until this step; default: config.steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Global batch size; default: "
                                    "config.batch_size.")
@@ -340,7 +344,8 @@ def read_settings() -> Settings:
     search = options.SearchConfig(device=_DEVICE.value, memory_budget=budget,
                                   batch_axes=batch_axes,
                                   sequence_parallel=_SEQUENCE_PARALLEL.value,
-                                  verify=_VERIFY.value, where="train.py")
+                                  verify=_VERIFY.value, layouts=_LAYOUTS.value,
+                                  where="train.py")
   except ValueError as e:
     raise LaunchError(str(e)) from None
   model = build_model(config)
@@ -562,7 +567,8 @@ def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
                           specs, plan.shardings(mesh))
   start = time.perf_counter()
   try:
-    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0)
+    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0,
+                       layouts=_LAYOUTS.value)
     compiled = step.lower(*abstract).compile()
   except ValueError as e:
     raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
@@ -663,6 +669,8 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
   else:
     state = jax.jit(model.init, out_shardings=state_sharding)(inputs.seed_key)
     out.say(f"stage init {time.perf_counter() - start:.2f}s")
+  if _LAYOUTS.value == "auto":  # into the layouts the compiler chose, once
+    state = jax.device_put(state, compiled.input_formats[0][0], donate=True)
   first = int(state.step)
   if first >= settings.steps:
     out.say(f"already at step {first} >= --steps={settings.steps}; nothing to do")

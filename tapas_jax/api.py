@@ -173,6 +173,9 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
       the search runs again under a budget lowered by what was missing, at most
       `VERIFY_ROUNDS` times; the plan returned has compiled within it, and carries the
       compiler's figures and every round in `plan.compiled`. None: no compile.
+    layouts: the state's in-memory layouts the step will run in, as
+      `tapas.apply(..., layouts=)`: "default" (JAX's) or "auto" (the compiler's);
+      `verify` compiles those.
 
   Returns:
     A `tapas_jax.plan.Plan`.
@@ -286,7 +289,7 @@ def _verified(plan: planlib.Plan, solve, fn, args, kwargs, config: options.Searc
     with warnings.catch_warnings():  # a step that returns no new state donates nothing
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
       record = verifylib.verify(plan, fn, *args, topology=topology, donate_argnums=0,
-                           kwargs=kwargs)
+                                kwargs=kwargs, layouts=config.layouts)
     limit = min(record.hbm_bytes, memory_budget or math.inf)
     predicted = plan.stats.predicted_memory_bytes
     rounds.append((math.inf if budget is None else budget, predicted,

@@ -197,10 +197,8 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
                               "pass the step searched: tapas.apply(plan, step).")
   donate = options.donate_argnums(donate_argnums, len(plan.in_specs))
   donate += _donated_names(plan, fn, donate_argnames)
-  if layouts not in ("auto", "default"):
-    raise options.OptionError(f"apply: layouts={layouts!r}; pass 'default' (JAX's "
-                              "layouts) or 'auto' (the compiler lays out the state).")
-  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))), layouts == "auto")
+  auto = options.layouts(layouts, "apply") == "auto"
+  return _Applied(plan, fn, mesh, tuple(sorted(set(donate))), auto)
 
 
 def _donated_names(plan: planlib.Plan, fn, names: str | Sequence[str]) -> tuple[int, ...]:

@@ -34,10 +34,10 @@ from jax.sharding import AxisType
 from tapas_jax.errors import TapasError
 from tapas_jax.profiles import PROFILES
 
-__all__ = ["SEARCH_OPTIONS", "SOLVERS", "MeshError", "OptionError", "SearchConfig", "Solver",
-           "batch_axes", "check_auto", "device", "donate_argnums", "flag", "format_bytes",
-           "kwargs", "links", "memory_bytes", "mesh_axes", "search_config", "solver",
-           "time_limit", "topology"]
+__all__ = ["LAYOUTS", "SEARCH_OPTIONS", "SOLVERS", "MeshError", "OptionError", "SearchConfig",
+           "Solver", "batch_axes", "check_auto", "device", "donate_argnums", "flag",
+           "format_bytes", "kwargs", "layouts", "links", "memory_bytes", "mesh_axes",
+           "search_config", "solver", "time_limit", "topology"]
 
 
 class Solver(enum.StrEnum):
@@ -222,6 +222,23 @@ def topology(value: Any, where: str = "search", name: str = "verify") -> str | N
                     "(or None not to compile).")
 
 
+# The state's in-memory layouts a step runs in (`tapas.apply`'s `layouts=`).
+LAYOUTS = ("default", "auto")
+
+
+def layouts(value: Any, where: str = "search") -> str:
+  """"default" (JAX's layouts) or "auto" (the compiler's, for the carried state).
+
+  Example:
+    >>> layouts("auto")
+    'auto'
+  """
+  if isinstance(value, str) and value in LAYOUTS:
+    return value
+  raise OptionError(f"{where}: layouts={value!r}; pass 'default' (JAX's layouts) or "
+                    "'auto' (the compiler lays out the state the step carries).")
+
+
 def batch_axes(value: Any, axes: Mapping[str, int] | None, where: str = "search"
                ) -> tuple[str, ...] | None:
   """One axis name, a sequence of them (each a mesh axis), or None (any axis).
@@ -324,7 +341,7 @@ def links(value: Any, where: str = "search") -> tuple[tuple[str, str], ...] | No
 
 # `SearchConfig`'s fields: the options every search entry point takes by keyword.
 SEARCH_OPTIONS = ("device", "memory_budget", "batch_axes", "fold", "solver", "links",
-                  "time_limit", "sequence_parallel", "verify")
+                  "time_limit", "sequence_parallel", "verify", "layouts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +365,8 @@ class SearchConfig:
     time_limit: seconds for the integer program; None: no limit.
     sequence_parallel: also search Megatron's sequence parallelism.
     verify: a TPU topology to compile the plan for ("v5p:2x2x1"); None: no compile.
+    layouts: the state's layouts the step runs in, as `tapas.apply`'s `layouts=`:
+      what `verify` compiles, and what `@tapas.shard` runs.
     where: the entry point error messages name (not compared).
 
   Example:
@@ -365,6 +384,7 @@ class SearchConfig:
   time_limit: float | None = None
   sequence_parallel: bool = True
   verify: str | None = None
+  layouts: str = "default"
   where: str = dataclasses.field(default="search", compare=False, repr=False)
 
   def __post_init__(self):
@@ -376,7 +396,7 @@ class SearchConfig:
                   solver=solver(self.solver, w), links=links(self.links, w),
                   time_limit=time_limit(self.time_limit, w),
                   sequence_parallel=flag(self.sequence_parallel, "sequence_parallel", w),
-                  verify=topology(self.verify, w))
+                  verify=topology(self.verify, w), layouts=layouts(self.layouts, w))
     for name, value in parsed.items():
       object.__setattr__(self, name, value)
 

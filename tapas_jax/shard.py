@@ -60,7 +60,7 @@ def shard(target: Any = None, /, *, mesh: Any = None, config: SearchConfig | Non
     config: how to search, as one `tapas_jax.options.SearchConfig`; or
     **options: every search option of `tapas.search` by keyword (`device`,
       `memory_budget`, `batch_axes`, `fold`, `solver`, `links`, `time_limit`,
-      `sequence_parallel`, `verify`), not together with `config=`; and for a function:
+      `sequence_parallel`, `verify`, `layouts`), not together with `config=`; and for a function:
       `static_argnums`, `static_argnames`, `donate_argnums`, `donate_argnames`, as for
       `jax.jit`. For a module class: `loss_fn`, `optimizer`
       and (nnx, required there) `example_inputs`; see `tapas_jax.shard_flax`.
@@ -278,7 +278,8 @@ class ShardedFunction:
     key = key + (mesh,)
     if key not in self._entries:
       plan = self.search.search(closed, abstract, mesh)
-      applied = apply_plan(plan, closed, mesh=mesh, donate_argnums=donated)
+      applied = apply_plan(plan, closed, mesh=mesh, donate_argnums=donated,
+                           layouts=self.search.config.layouts)
       self._entries[key] = _Entry(plan, applied, plan.shardings(mesh))
     entry = self._entries[key]
     self.plan = entry.plan

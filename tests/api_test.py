@@ -134,6 +134,7 @@ BAD_SEARCH_OPTIONS = [
     ({"kwargs": [("x", X)]}, ValueError, "kwargs=.* is a list; pass the step's keyword"),
     ({"verify": "v5p"}, ValueError, r"verify='v5p' is not a TPU topology name.*'v5e:2x2'"),
     ({"verify": 8}, ValueError, r"verify=8 is not a TPU topology name"),
+    ({"layouts": "tiled"}, ValueError, r"layouts='tiled'; pass 'default' .* or 'auto'"),
 ]
 
 

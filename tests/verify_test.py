@@ -262,7 +262,7 @@ def _fake_compiler(overhead: float, hbm: float = 95.74 * 2**30, refuse_over: flo
   `refuse_over`. Counts its calls."""
   calls = []
 
-  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs):
+  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs, layouts):
     peak = plan.stats.predicted_memory_bytes + overhead
     calls.append(peak)
     refused = peak > refuse_over
@@ -333,7 +333,7 @@ def test_the_search_again_loop_tries_the_leanest_plan_when_the_compiler_needs_fa
   hbm = 20.5 * leanest
   calls = []
 
-  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs):
+  def compile_for(plan, fn, *args, topology, donate_argnums, kwargs, layouts):
     peak = 20 * plan.stats.predicted_memory_bytes
     calls.append(peak)
     return verifylib.Verified(

@@ -22,6 +22,8 @@ tiny GPT (FSDP, v5p:2x2x1) it is 0.56 MB under the compiler's 2.93 MB, not under
   ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu python scripts/tpu_peak.py \
       --family=vit --layout=fsdp                  # the small ViT, FSDP, v5p:2x2x1
   python scripts/tpu_peak.py --read=DIR           # dumps already written there
+  ... --state_layouts=auto --model_peak           # the state in the compiler's layouts,
+                                                  # and the model's own peak beside it
 
 (BENCHMARKS.md, "Reading the compiler's peak from its dumps".)
 """
@@ -166,6 +168,30 @@ def _compile(a) -> str:
   return folder
 
 
+def model_peak(a, top: int) -> None:
+  """Prints the model's side for the searched plan: its activation peak and the largest
+  values live there (`memory.largest_live`), to set beside the compiler's list."""
+  import importlib  # noqa: PLC0415
+  from tapas_jax import api, models, options  # noqa: PLC0415
+
+  memory = importlib.import_module("tapas_jax.solver.memory")
+  solve = importlib.import_module("tapas_jax.solver.solve")
+  config, trimmed = models.SMALL[a.family] if a.config == "small" else (a.config, {})
+  m = models.get_model(a.family, config, **trimmed)
+  axes = dict((k, int(v)) for k, v in (kv.split(":") for kv in a.mesh.split(",")))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(a.batch)),
+                           mesh=axes, device=a.device)
+    found = api._solve(prepared, None, options.SearchConfig(device=a.device), cache={})
+  acts = solve.cached_activations(prepared.problem, None)
+  total, at = memory.activation_peak(prepared.problem, acts, found.choice)
+  print(f"the model (searched plan): state {found.state_bytes / 2**20:.2f} MiB + "
+        f"activations {total / 2**20:.2f} MiB at op {at}; largest live there:")
+  for row in memory.largest_live(prepared.problem, acts, found.choice, top).split("), "):
+    print(f"  {row.rstrip(')')})")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--family", default="vit")
@@ -179,7 +205,11 @@ def main():
   parser.add_argument("--state_layouts", default="default",
                       help="tapas.apply's layouts=: default or auto")
   parser.add_argument("--read", default="", help="a folder of dumps: read, compile nothing")
+  parser.add_argument("--model_peak", action="store_true",
+                      help="also print the model's activation peak for the searched plan")
   a = parser.parse_args()
+  if a.model_peak:
+    model_peak(a, a.top)
   folder = a.read or _compile(a)
   apart, at_apart, _ = peak(folder, a.top, in_place=False)
   total, at, here = peak(folder, a.top)

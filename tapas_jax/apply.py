@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
@@ -167,16 +168,12 @@ def apply(plan: planlib.Plan, fn: Callable[..., Any], *, mesh: Any = None,
       arguments, or `fn`'s parameters searched positionally.
     donate_argnums: positional arguments to donate, as for `jax.jit` (donate the
       state to update it in place).
-    layouts: the in-memory layouts of the state, the donated arguments of rank 2 and
-      more that `fn` returns the next value of. "default": JAX's. "auto": the
-      compiler's (`Layout.AUTO` for them in and out). In JAX's layouts the TPU
-      compiler updates a kernel transposed from how it stores it: it copies the
-      kernel and both Adam moments into the update's layout and back, copies the plans'
-      memory model does not count; in its own layouts it makes none (BENCHMARKS.md,
-      "The state in the compiler's layouts": up to 23% less peak memory on the small
-      zoo). Under "auto" the first call puts state arrays of another layout into the
-      compiled one (`jax.device_put`, donating them; the outputs are already there),
-      and inside another trace (a `jax.jit` around the step) JAX's layouts hold.
+    layouts: the in-memory layouts of the state (donated arguments of rank 2 and more
+      that `fn` returns the next value of): "default", JAX's; "auto", the compiler's
+      (`Layout.AUTO`). On TPU, JAX's make the compiler copy each kernel and its Adam
+      moments into the update's layout and back, which "auto" avoids (BENCHMARKS.md,
+      "The state in the compiler's layouts"). The first call puts the state into the
+      compiled layouts (`jax.device_put`, donating it); inside another trace JAX's hold.
 
   Returns:
     A `jax.jit`-wrapped function with `fn`'s signature (and `.lower`); keyword
@@ -297,7 +294,7 @@ class _Applied:
     # Layouts are a compiled program's: inside another trace the default ones hold.
     if self.auto_layouts and not any(jx.is_tracer(x) for x in jax.tree.leaves(values)):
       laid_out = self._laid_out_for(key, values, jitted, shardings, key[1])
-      call, values = laid_out.compiled(), laid_out.relayout(values)
+      call, values = laid_out.compiled, laid_out.relayout(values)
     try:
       return call(*values)
     except ValueError as e:
@@ -320,7 +317,6 @@ class _LaidOut:
   jitted: Any
   abstract: tuple[Any, ...]
   auto: tuple[int, ...]  # flat input leaves laid out by the compiler
-  _compiled: Any = None
 
   @classmethod
   def of(cls, run, values, shardings, out_shape, carried, donate) -> _LaidOut:
@@ -328,8 +324,7 @@ class _LaidOut:
     leaves = jax.tree.leaves(values)
     starts = np.cumsum([0] + [len(jax.tree.leaves(s)) for s in shardings])
     donated = {j for i in donate for j in range(starts[i], starts[i + 1])}
-    pairs = [(k, j) for k, j in carried
-             if j in donated and getattr(leaves[j], "ndim", 0) >= 2]
+    pairs = [(k, j) for k, j in carried if j in donated and getattr(leaves[j], "ndim", 0) > 1]
     formats = list(flat_in)
     outs: list[Any] = [None] * len(jax.tree.leaves(out_shape))
     for k, j in pairs:
@@ -346,17 +341,15 @@ class _LaidOut:
   def lower(self):
     return self.jitted.lower(*self.abstract)
 
+  @functools.cached_property
   def compiled(self):
-    if self._compiled is None:
-      self._compiled = self.lower().compile()
-    return self._compiled
+    return self.lower().compile()
 
   def relayout(self, values: tuple) -> tuple:
-    """The state put into the compiled layouts where it is elsewhere (the first call;
-    the step's outputs are already there). An array on other devices or shardings is
-    left for the call to refuse, naming it."""
+    """The state put into the compiled layouts where it is elsewhere (the first call); an
+    array on other shardings is left for the call to refuse, naming it."""
     leaves, tree = jax.tree.flatten(values)
-    want = jax.tree.leaves(self.compiled().input_formats[0])
+    want = jax.tree.leaves(self.compiled.input_formats[0])
     for j in self.auto:
       x, fmt = leaves[j], want[j]
       if not isinstance(x, jax.Array):

@@ -545,7 +545,8 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
   compiled = None
   if not _PLAN_ONLY.value:
     check_fits(plan, list(mesh.devices.flat), jax.process_index(), what)
-    compiled = compile_step(jax, plan, train_step, (state_spec, batch_spec), mesh, out)
+    compiled = compile_step(jax, plan, train_step, (state_spec, batch_spec), mesh, out,
+                            settings.search.layouts)
   out.write("config.json", config_json)
   if out.lead and workdir:
     plan.save(os.path.join(workdir, "plan.json"))  # atomic, as write_atomic
@@ -556,8 +557,9 @@ def _train(jax, settings: Settings, workdir: str | None) -> int:
              out, ckpt_dir)
 
 
-def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
-  """The train step compiled with the plan, from the argument shapes alone.
+def compile_step(jax, plan, train_step, specs, mesh, out: Reporter, layouts: str):
+  """The train step compiled with the plan (the state in `layouts`), from the argument
+  shapes alone.
 
   A plan of another program (a saved one, say) is refused here, before any state is
   allocated or any file written.
@@ -567,8 +569,7 @@ def compile_step(jax, plan, train_step, specs, mesh, out: Reporter):
                           specs, plan.shardings(mesh))
   start = time.perf_counter()
   try:
-    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0,
-                       layouts=_LAYOUTS.value)
+    step = tapas.apply(plan, train_step, mesh=mesh, donate_argnums=0, layouts=layouts)
     compiled = step.lower(*abstract).compile()
   except ValueError as e:
     raise LaunchError(f"--strategy={_STRATEGY.value}: {e}") from None
@@ -669,7 +670,7 @@ def fit(jax, settings: Settings, plan, mesh, program, compiled, out: Reporter,
   else:
     state = jax.jit(model.init, out_shardings=state_sharding)(inputs.seed_key)
     out.say(f"stage init {time.perf_counter() - start:.2f}s")
-  if _LAYOUTS.value == "auto":  # into the layouts the compiler chose, once
+  if settings.search.layouts == "auto":  # into the layouts the compiler chose, once
     state = jax.device_put(state, compiled.input_formats[0][0], donate=True)
   first = int(state.step)
   if first >= settings.steps:

@@ -231,29 +231,27 @@ class _Applied:
 
   def __init__(self, plan: planlib.Plan, fn, mesh, donate: tuple[int, ...],
                auto_layouts: bool = False):
-    self.plan, self.fn, self.mesh, self.donate = plan, fn, mesh, donate
-    self.auto_layouts = auto_layouts
+    self.plan, self.fn, self.mesh, self.donate, self.auto_layouts = (plan, fn, mesh, donate,
+                                                                     auto_layouts)
     self.pins: dict[tuple, list[tuple[int, NamedSharding]]] = {}
     for c in plan.constraints:
       self.pins.setdefault(tuple(c.site), []).append((c.slot, NamedSharding(mesh, c.spec)))
-    self._jitted: dict[Any, Any] = {}
-    self._laid_out: dict[Any, _LaidOut] = {}
+    self._steps: dict[Any, _Structure] = {}
 
-  def _prepare(self, args, kwargs):
+  def _prepare(self, args, kwargs) -> tuple[tuple, _Structure]:
     args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
-    names = sorted(kwargs)
+    names = tuple(sorted(kwargs))
     values = tuple(args) + tuple(kwargs[n] for n in names)
     # Checking and binding the specs walks every leaf: once per argument structure.
-    key = (len(args), tuple(names), tuple(jax.tree.structure(v) for v in values))
-    if key not in self._jitted:
+    key = (len(args), names, tuple(jax.tree.structure(v) for v in values))
+    if key not in self._steps:
       call = _Call(self.plan, args, kwargs, "apply")
-      shardings = call.shardings(self.mesh)
-      self._jitted[key] = (self._jit(len(args), call.names, shardings), shardings, call.where,
-                           key)
-    return values, self._jitted[key]
+      step = self._steps[key] = _Structure(names, call.shardings(self.mesh), call.where)
+      step.jitted = self._jit(step, len(args))
+    return values, self._steps[key]
 
-  def _jit(self, num_positional: int, names: Sequence[str], in_shardings):
-    plan, fn, pins = self.plan, self.fn, self.pins
+  def _jit(self, step: _Structure, num_positional: int):
+    plan, fn, pins, names = self.plan, self.fn, self.pins, step.names
 
     def run(*flat):
       # The jaxpr of the abstract arguments, exactly as `search` traced it (real arrays
@@ -261,6 +259,7 @@ class _Applied:
       graph, closed, out_shape = tracelib.trace_with_jaxpr(
           fn, *flat[:num_positional], kwargs=dict(zip(names, flat[num_positional:])))
       _check_program(plan, graph)
+      step.traced = (graph.carried, jax.tree.structure(out_shape))
       jaxpr, consts = jx.open_jaxpr(closed)
       # The layers, for the plan's remat and the backward's order: folded once.
       folded = foldlib.fold(graph) if plan.remat or plan.gradient_fences else None
@@ -271,43 +270,53 @@ class _Applied:
       if fences is not None:
         outs = fences.read(outs)
       # The next state stays where its input is stored, so the next step moves nothing.
-      flat_in = jax.tree.leaves(in_shardings)
+      flat_in = jax.tree.leaves(step.shardings)
       for k, j in graph.carried:
         outs[k] = jax.lax.with_sharding_constraint(outs[k], flat_in[j])
       return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-    return jax.jit(run, in_shardings=in_shardings, donate_argnums=self.donate)
+    return jax.jit(run, in_shardings=step.shardings, donate_argnums=self.donate)
 
-  def _laid_out_for(self, key, values, jitted, shardings, names) -> _LaidOut:
+  def _laid_out_for(self, step: _Structure, values) -> _LaidOut:
     """The step with the state's layouts left to the compiler, once per structure."""
-    if key not in self._laid_out:
-      n = len(values) - len(names)
-      graph, _, out_shape = tracelib.trace_with_jaxpr(
-          self.fn, *values[:n], kwargs=dict(zip(names, values[n:])))
-      self._laid_out[key] = _LaidOut.of(jitted.__wrapped__, values, shardings, out_shape,
-                                        graph.carried, self.donate)
-    return self._laid_out[key]
+    if step.laid_out is None:
+      if step.traced is None:  # which outputs carry which inputs: `run` records it
+        step.jitted.trace(*values)
+      step.laid_out = _LaidOut.of(step.jitted.__wrapped__, values, step.shardings,
+                                  *step.traced, self.donate)
+    return step.laid_out
 
   def __call__(self, *args, **kwargs):
-    values, (jitted, shardings, where, key) = self._prepare(args, kwargs)
-    call = jitted
-    # Layouts are a compiled program's: inside another trace the default ones hold.
-    if self.auto_layouts and not any(jx.is_tracer(x) for x in jax.tree.leaves(values)):
-      laid_out = self._laid_out_for(key, values, jitted, shardings, key[1])
-      call, values = laid_out.compiled, laid_out.relayout(values)
+    values, step = self._prepare(args, kwargs)
+    call = step.jitted
     try:
+      # Layouts are a compiled program's: inside another trace the default ones hold.
+      if self.auto_layouts and not any(jx.is_tracer(x) for x in jax.tree.leaves(values)):
+        laid_out = self._laid_out_for(step, values)
+        call, values = laid_out.compiled, laid_out.relayout(values)
       return call(*values)
     except ValueError as e:
-      found = _committed_elsewhere(where, values, shardings)
+      found = _committed_elsewhere(step.where, values, step.shardings)
       if found is None:
         raise
       raise ValueError(found) from e
 
   def lower(self, *args, **kwargs):
-    values, (jitted, shardings, _, key) = self._prepare(args, kwargs)
+    values, step = self._prepare(args, kwargs)
     if self.auto_layouts:
-      return self._laid_out_for(key, values, jitted, shardings, key[1]).lower()
-    return jitted.lower(*values)
+      return self._laid_out_for(step, values).lower()
+    return step.jitted.lower(*values)
+
+
+@dataclasses.dataclass
+class _Structure:
+  """The step jitted for one structure of arguments."""
+  names: tuple[str, ...]  # the keyword arguments, sorted: after the positional ones
+  shardings: tuple[Any, ...]  # per argument, the plan's
+  where: tuple[str, ...]  # per argument, its name in messages
+  jitted: Any = None
+  traced: tuple | None = None  # (carried (output, input) leaf pairs, the output tree)
+  laid_out: _LaidOut | None = None
 
 
 @dataclasses.dataclass
@@ -319,14 +328,14 @@ class _LaidOut:
   auto: tuple[int, ...]  # flat input leaves laid out by the compiler
 
   @classmethod
-  def of(cls, run, values, shardings, out_shape, carried, donate) -> _LaidOut:
+  def of(cls, run, values, shardings, carried, out_tree, donate) -> _LaidOut:
     flat_in, in_tree = jax.tree.flatten(shardings)
     leaves = jax.tree.leaves(values)
     starts = np.cumsum([0] + [len(jax.tree.leaves(s)) for s in shardings])
     donated = {j for i in donate for j in range(starts[i], starts[i + 1])}
     pairs = [(k, j) for k, j in carried if j in donated and getattr(leaves[j], "ndim", 0) > 1]
     formats = list(flat_in)
-    outs: list[Any] = [None] * len(jax.tree.leaves(out_shape))
+    outs: list[Any] = [None] * out_tree.num_leaves
     for k, j in pairs:
       formats[j] = outs[k] = Format(Layout.AUTO, flat_in[j])
     auto = tuple(sorted({j for _, j in pairs}))
@@ -334,7 +343,7 @@ class _LaidOut:
                                      weak_type=getattr(x, "weak_type", False))
                 if j in auto else x for j, x in enumerate(leaves)]
     jitted = jax.jit(run, in_shardings=jax.tree.unflatten(in_tree, formats),
-                     out_shardings=jax.tree.unflatten(jax.tree.structure(out_shape), outs),
+                     out_shardings=jax.tree.unflatten(out_tree, outs),
                      donate_argnums=donate)
     return cls(jitted, tuple(jax.tree.unflatten(jax.tree.structure(values), abstract)), auto)
 
@@ -494,11 +503,10 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
 def _pins_inside(eqn, site: tuple, pins: Mapping) -> bool:
   """Whether a scan's body holds pinned operands (a stacked parameter gathered there,
   one layer per iteration, rather than the whole stack before the loop)."""
-  if "jaxpr" not in eqn.params or "length" not in eqn.params or \
-      jx.scan_counts(eqn.params) is None:
-    return False
   body = site + ("jaxpr", 0)
-  return any(k[:len(body)] == body for k in pins)
+  return ("jaxpr" in eqn.params and "length" in eqn.params
+          and jx.scan_counts(eqn.params) is not None
+          and any(k[:len(body)] == body for k in pins))
 
 
 def _scan(eqn, invals: list[Any], site: tuple, pins: Mapping) -> list[Any]:
@@ -662,10 +670,8 @@ class _ScanRecompute:
     self.f_eqn = None
     self.forward_site = graph.ops[r.forward].site
     self.backward_site = graph.ops[r.backward].site
-    self.consts: list[Any] = []
-    self.xs: list[Any] = []
-    self.init: list[Any] = []
-    self.stacked: list[Any] = []
+    # The forward loop's operands and stacked carries, for the backward's recompute.
+    self.consts, self.xs, self.init, self.stacked = [], [], [], []
 
   def run(self, site: tuple, eqn, invals: list[Any]) -> list[Any]:
     if site == self.forward_site:
@@ -755,7 +761,6 @@ class _ScanRecompute:
                              (bx, list(fxs), kx, list(stacked)),
                              length=eqn.params["length"], reverse=eqn.params["reverse"])
     return list(carry) + list(ys)
-
 
 
 def remat_policy(plan: planlib.Plan, layer: str):

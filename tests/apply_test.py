@@ -282,7 +282,8 @@ def test_keyword_arguments_are_searched_applied_and_placed():
     step.lower(m.abstract_state(), m.batch_spec(8))
 
 
-def test_an_argument_committed_elsewhere_is_named_with_the_fix():
+@pytest.mark.parametrize("layouts", ["default", "auto"])
+def test_an_argument_committed_elsewhere_is_named_with_the_fix(layouts):
   m, plan = planned("gpt", "search")
   state = m.init(jax.random.key(0))
   batch = m.make_batch(jax.random.key(1), 8)
@@ -292,7 +293,7 @@ def test_an_argument_committed_elsewhere_is_named_with_the_fix():
   assert plan.in_specs[1]["inputs"] != PartitionSpec("model")
   with pytest.raises(ValueError, match=r"argument 1 at path 'inputs' is committed to "
                      r"NamedSharding.*'model'.*the plan stores it as .*tapas.place\(plan"):
-    tapas.apply(plan, m.train_step())(state, wrong)
+    tapas.apply(plan, m.train_step(), layouts=layouts)(state, wrong)
 
 
 @pytest.mark.parametrize("family", ["gpt", "moe"])
@@ -308,11 +309,19 @@ def test_the_state_in_the_compilers_layout_computes_the_same_numbers(family):
   for _ in range(3):
     r, out = ref(r, batch)
     losses.append(out["loss"])
-  step = tapas.apply(plan, m.train_step(), donate_argnums=0, layouts="auto")
+  traced = []
+
+  def counted(*args):
+    traced.append(len(args))
+    return m.train_step()(*args)
+
+  step = tapas.apply(plan, counted, donate_argnums=0, layouts="auto")
   placed = tapas.place(plan, state, batch)
   first = [x for x in jax.tree.leaves(placed[0]) if x.ndim >= 2]
   s1, out1 = step(*placed)
   s2, out2 = step(s1, placed[1])
+  # One trace of the step: the laid-out program reuses the one that found the state.
+  assert traced == [2]
   np.testing.assert_allclose(out1["loss"], losses[0], rtol=2e-6)
   np.testing.assert_allclose(out2["loss"], losses[1], rtol=2e-5)
   mesh = tapas.make_mesh(MESH)

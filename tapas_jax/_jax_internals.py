@@ -344,6 +344,38 @@ def dot_dims(params: Mapping[str, Any]) -> DotDims:
 
 
 @dataclasses.dataclass(frozen=True)
+class RaggedDotDims:
+  """ragged_dot_general's dimension numbers: a `DotDims`, the one lhs dim split into
+  groups of the sizes `group_sizes` holds, and the rhs dims that index the groups (one
+  where the ragged dim is not contracted or batched, else none)."""
+
+  dot: DotDims
+  lhs_ragged: int
+  rhs_group: tuple[int, ...]
+
+
+def ragged_dot_dims(params: Mapping[str, Any]) -> RaggedDotDims:
+  """`RaggedDotDims` of a ragged_dot_general equation's params (`jax.lax.ragged_dot`).
+
+  Example:
+    >>> import jax
+    >>> rd = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), [0], [0])
+    >>> ragged_dot_dims({"ragged_dot_dimension_numbers": rd}).rhs_group
+    (0,)
+  """
+  rd = _param(params, "ragged_dot_dimension_numbers", "ragged_dot_general")
+  what = "ragged_dot_general dimension numbers"
+  try:
+    dot = dot_dims({"dimension_numbers": rd.dot_dimension_numbers})
+    (ragged,) = _ints(rd.lhs_ragged_dimensions, what)
+    group = _ints(rd.rhs_group_dimensions, what)
+  except (AttributeError, TypeError, ValueError) as e:
+    raise ValueError(f"{what} {rd!r}: expected jax.lax.RaggedDotDimensionNumbers with "
+                     "one lhs ragged dimension") from e
+  return RaggedDotDims(dot, ragged, group)
+
+
+@dataclasses.dataclass(frozen=True)
 class ConvDims:
   """conv_general_dilated's layout and grouping.
 

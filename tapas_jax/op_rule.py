@@ -1,11 +1,11 @@
 """The record a sharding rule returns (`OpRule`: an op as an einsum over dimension
 factors), what else the pipeline knows of a primitive (`Facts`: fusion, in place,
-contraction), and the registry of both by primitive name (`RULES`, `FACTS`,
-`register`, `facts`).
+contraction), the registry of both by primitive name (`RULES`, `FACTS`, `register`,
+`facts`), and strict mode (`strict_rules`: whether a rule that fails raises).
 
 The rules themselves, one per primitive, with their facts beside them, and their
-lookup (`rule_for`, strict mode) are in `tapas_jax.rules`, which fills `RULES` and
-`FACTS` and re-exports these names. A primitive nobody registered gets the one
+lookup (`rule_for`) are in `tapas_jax.rules`, which fills `RULES` and `FACTS` and
+re-exports these names. A primitive nobody registered gets the one
 conservative default, `DEFAULT_FACTS` (as it gets `default_rule`).
 
 Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
@@ -20,15 +20,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+import os
 import string
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["COMBINES", "DEFAULT_FACTS", "FACTS", "RULES", "Dims", "Factors", "Facts", "OpRule",
-           "RuleFn", "Shape", "default_rule", "elements", "facts", "norm_axis", "register",
-           "unsplit"]
+__all__ = ["COMBINES", "DEFAULT_FACTS", "FACTS", "RULES", "STRICT_ENV", "Dims", "Factors",
+           "Facts", "OpRule", "RuleFn", "Shape", "default_rule", "elements", "facts",
+           "is_strict", "norm_axis", "register", "strict_rules", "unsplit"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -263,3 +266,43 @@ def register(*primitives: str, facts: Facts = DEFAULT_FACTS
     return fn
 
   return deco
+
+
+# Environment variable that turns strict mode on for a whole process ("1").
+STRICT_ENV = "TAPAS_STRICT_RULES"
+_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "tapas_strict_rules", default=None)
+
+
+def is_strict() -> bool:
+  """Whether a failing rule raises (strict) rather than falling back to replicated.
+
+  The innermost `strict_rules` block decides; outside any, `TAPAS_STRICT_RULES=1`.
+  """
+  inner = _STRICT.get()
+  if inner is not None:
+    return inner
+  return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def strict_rules(enabled: bool = True) -> Iterator[None]:
+  """Within the block, a rule that fails raises instead of replicating its op.
+
+  For rule authors and tests: the default (non-strict) keeps a search going past an
+  equation its rule cannot read, at the price of leaving that op replicated.
+  `strict_rules(False)` turns strict mode off inside a strict process.
+
+  Example:
+    >>> from tapas_jax import rules
+    >>> with strict_rules():
+    ...   rules.rule_of("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])
+    Traceback (most recent call last):
+    ...
+    ValueError: dot_general params carry no 'dimension_numbers' (got []); ...
+  """
+  token = _STRICT.set(enabled)
+  try:
+    yield
+  finally:
+    _STRICT.reset(token)

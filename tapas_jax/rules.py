@@ -59,20 +59,18 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tapas_jax import _jax_internals as jx
 # The record and the registry; their names stay importable from here.
-from tapas_jax.op_rule import (COMBINES, DEFAULT_FACTS, FACTS, RULES, Dims, Facts,  # noqa: F401
-                               OpRule, RuleFn, Shape, default_rule, facts, register)
+from tapas_jax.op_rule import (COMBINES, DEFAULT_FACTS, FACTS, RULES, STRICT_ENV,  # noqa: F401
+                               Dims, Facts, OpRule, RuleFn, Shape, default_rule, facts,
+                               is_strict, register, strict_rules)
 from tapas_jax.op_rule import Factors as _Factors
 from tapas_jax.op_rule import elements as _size
 from tapas_jax.op_rule import norm_axis as _norm_axis
@@ -186,27 +184,58 @@ def _dot_general(params, ins, outs) -> OpRule:
 
   Result dims are ordered batch, lhs free, rhs free (the dot_general convention).
   """
-  dn = jx.dot_dims(params)
-  lc, rc, lb, rb = dn.lhs_contracting, dn.rhs_contracting, dn.lhs_batch, dn.rhs_batch
   lhs, rhs = ins[0], ins[1]
+  dn = jx.dot_dims(params)
+  f, lhs_dims, rhs_dims, out_dims, contracting = _dot(lhs, rhs, dn)
+  flops = 2 * _size(outs[0]) * math.prod(lhs[ld] for ld in dn.lhs_contracting)
+  return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
+
+
+@register("ragged_dot_general", facts=_CONTRACTS)
+def _ragged_dot_general(params, ins, outs) -> OpRule:
+  """`jax.lax.ragged_dot` (a mixture of experts' grouped matmul) as its dot_general,
+  the dims the groups cut kept whole: the ragged lhs dim (and the rhs dim it pairs
+  with), the rhs group dim, the result's group dim (in front, where the ragged dim is
+  contracted) and `group_sizes`. The others split as a dot's (the experts' hidden dim
+  as a column-parallel matmul's)."""
+  rd = jx.ragged_dot_dims(params)
+  lhs, rhs = ins[0], ins[1]
+  f, lhs_dims, rhs_dims, out_dims, contracting = _dot(lhs, rhs, rd.dot, rd.lhs_ragged,
+                                                      rd.rhs_group)
+  out_dims = [None] * (rd.lhs_ragged in rd.dot.lhs_contracting) + out_dims
+  if len(out_dims) != len(outs[0]):
+    raise ValueError(f"ragged_dot_general: result rank {len(outs[0])} does not follow "
+                     f"its dimension numbers {rd}")
+  free = math.prod(s for d, s in enumerate(rhs) if d not in {
+      *rd.dot.rhs_contracting, *rd.dot.rhs_batch, *rd.rhs_group})
+  return f.rule([lhs_dims, rhs_dims, [None] * len(ins[2])], [out_dims], reduce=contracting,
+                flops=2 * _size(lhs) * free)  # each lhs row meets one group's rhs
+
+
+def _dot(lhs: Shape, rhs: Shape, dn: jx.DotDims, whole: int | None = None,
+         rhs_dropped: Sequence[int] = ()) -> tuple:
+  """(factors, lhs dims, rhs dims, result dims, contracting factors) of a dot; the lhs
+  dim `whole` (and its rhs pair) unsplit, the rhs dims `rhs_dropped` in no result."""
   f = _Factors()
   lhs_dims: list[int | None] = [None] * len(lhs)
   rhs_dims: list[int | None] = [None] * len(rhs)
   out_dims: list[int | None] = []
-  for ld, rd in zip(lb, rb):
-    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+  for ld, rd in zip(dn.lhs_batch, dn.rhs_batch):
+    lhs_dims[ld] = rhs_dims[rd] = None if ld == whole else f.new(lhs[ld])
     out_dims.append(lhs_dims[ld])
-  for shape, dims, skip in ((lhs, lhs_dims, {*lc, *lb}), (rhs, rhs_dims, {*rc, *rb})):
+  for shape, dims, skip in ((lhs, lhs_dims, {*dn.lhs_contracting, *dn.lhs_batch}),
+                            (rhs, rhs_dims, {*dn.rhs_contracting, *dn.rhs_batch,
+                                             *rhs_dropped})):
     for d, size in enumerate(shape):
       if d not in skip:
-        dims[d] = f.new(size)
+        dims[d] = None if dims is lhs_dims and d == whole else f.new(size)
         out_dims.append(dims[d])
   contracting = []
-  for ld, rd in zip(lc, rc):
-    lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
-    contracting.append(lhs_dims[ld])
-  flops = 2 * _size(outs[0]) * math.prod(lhs[ld] for ld in lc)
-  return f.rule([lhs_dims, rhs_dims], [out_dims], reduce=contracting, flops=flops)
+  for ld, rd in zip(dn.lhs_contracting, dn.rhs_contracting):
+    if ld != whole:
+      lhs_dims[ld] = rhs_dims[rd] = f.new(lhs[ld])
+      contracting.append(lhs_dims[ld])
+  return f, lhs_dims, rhs_dims, out_dims, contracting
 
 
 def default_precision_contraction(op) -> bool:
@@ -670,45 +699,6 @@ def _replicated(params, ins, outs) -> OpRule:
 register(*_REPLICATED)(_replicated)
 
 _WARNED: set[str] = set()
-
-# Environment variable that turns strict mode on for a whole process ("1").
-STRICT_ENV = "TAPAS_STRICT_RULES"
-_STRICT: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "tapas_strict_rules", default=None)
-
-
-def is_strict() -> bool:
-  """Whether a failing rule raises (strict) rather than falling back to replicated.
-
-  The innermost `strict_rules` block decides; outside any, `TAPAS_STRICT_RULES=1`.
-  """
-  inner = _STRICT.get()
-  if inner is not None:
-    return inner
-  return os.environ.get(STRICT_ENV, "").strip() not in ("", "0")
-
-
-@contextlib.contextmanager
-def strict_rules(enabled: bool = True) -> Iterator[None]:
-  """Within the block, a rule that fails raises instead of replicating its op.
-
-  For rule authors and tests: the default (non-strict) keeps a search going past an
-  equation its rule cannot read, at the price of leaving that op replicated.
-  `strict_rules(False)` turns strict mode off inside a strict process.
-
-  Example:
-    >>> with strict_rules():
-    ...   rule_of("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])
-    Traceback (most recent call last):
-    ...
-    ValueError: dot_general params carry no 'dimension_numbers' (got []); ...
-  """
-  token = _STRICT.set(enabled)
-  try:
-    yield
-  finally:
-    _STRICT.reset(token)
-
 
 def _warn_once(primitive: str, why: str) -> None:
   if primitive not in _WARNED:

@@ -1,7 +1,8 @@
 """Train steps in idioms neither the zoo nor `tests/styles.py` writes, planned and run.
 
 Each idiom is a loss (or a whole step) as a user might bring it: control flow (`cond`,
-`fori_loop`, `associative_scan`), a `custom_vjp`, sorting and top-k routing, an FFT
+`fori_loop`, `associative_scan`), a `custom_vjp`, sorting and top-k routing, dropless
+routing through one grouped matmul (`lax.ragged_dot`) and `segment_sum`, an FFT
 mixing layer, pooling and resizing, a `shard_map` inside the step, mixed precision with
 loss scaling, gradient accumulation over microbatches, flax nnx layers scanned with
 `nnx.scan`, dropout drawing from a key in the batch. For each, the plan unbudgeted and
@@ -98,6 +99,19 @@ def top_k_routing(w, x):  # two of four experts per token, gates from a softmax
   return jnp.mean(jnp.einsum("bsef,bse->bsf", jax.nn.silu(y), weight) ** 2)
 
 
+def ragged_dot_experts(w, x):  # dropless routing: tokens sorted by expert, one grouped matmul
+  experts = jnp.stack([w["w1"], w["w2"], w["w1"].T, -w["w2"]])
+  tokens = x.reshape(B * S, D)
+  logits = tokens @ w["w1"][:, :4]
+  chosen = jnp.argmax(logits, -1)
+  order = jnp.argsort(chosen)
+  sizes = jnp.bincount(chosen, length=4).astype(jnp.int32)
+  y = jax.lax.ragged_dot(jax.nn.silu(tokens[order]), experts, sizes)
+  y = jnp.zeros_like(y).at[order].set(y) * jnp.max(jax.nn.softmax(logits, -1), -1)[:, None]
+  per_expert = jax.ops.segment_sum(y, chosen, num_segments=4)
+  return jnp.mean(y ** 2) + jnp.mean(per_expert ** 2)
+
+
 def causal_cumsum(w, x):
   h = x @ w["w1"]
   scores = jnp.where(jnp.tril(jnp.ones((S, S), bool)),
@@ -138,8 +152,8 @@ def bf16_dots(w, x):
 
 
 LOSSES = [custom_vjp, cond, fori_loop, associative_scan, sort_top, top_k_routing,
-          causal_cumsum, fft_mixing, pool_and_resize, shard_map_inside, vmapped_ensemble,
-          bf16_dots]
+          ragged_dot_experts, causal_cumsum, fft_mixing, pool_and_resize, shard_map_inside,
+          vmapped_ensemble, bf16_dots]
 
 
 # -- whole steps ------------------------------------------------------------------

@@ -215,6 +215,25 @@ def test_matmul_contracting_factor_is_reduce():
   assert production_layouts(g, op, {k: ("model",), r.inputs[1][1]: ("model",)}) is None
 
 
+def _ragged_grads(w, x, sizes):
+  return jax.grad(lambda w, x: (jax.lax.ragged_dot(x, w, sizes) ** 2).sum(), (0, 1))(w, x)
+
+
+def test_ragged_dot_splits_as_a_dot_and_keeps_the_groups_whole():
+  # jax.lax.ragged_dot: 16 rows in 4 groups, each group's rows times its own (8, 32).
+  args = (sds(4, 8, 32), sds(16, 8), sds(4, dtype=jnp.int32))
+  g = trace(_ragged_grads, *args)
+  ops = [op for op in g.ops if op.primitive == "ragged_dot_general"]
+  forward, weight_grad, input_grad = (rule_for(g, op) for op in ops)
+  # The rows and the groups stay whole; the rest splits as a dot's.
+  assert_rule(forward, "_k,_kn,_->_n", reduce="k", sizes=dict(k=8, n=32))
+  # The rhs gradient contracts the ragged rows: one result per group, in front.
+  assert_rule(weight_grad, "_k,_n,_->_kn", sizes=dict(k=8, n=32))
+  assert_rule(input_grad, "_n,_kn,_->_k", reduce="n", sizes=dict(k=8, n=32))
+  assert forward.flops == weight_grad.flops == input_grad.flops == 2 * 16 * 8 * 32
+  assert rules.facts("ragged_dot_general").contracts  # a layer's matmul, as a dot is
+
+
 def test_reshape_split_heads_splits_major_only():
   r = rule_of("reshape", {"new_sizes": (2, 8, 4, 16), "dimensions": None},
               [(2, 8, 64)], [(2, 8, 4, 16)])
@@ -625,6 +644,22 @@ def test_numerics_attention_scores_heads_split(mesh):
   args = (_rand(0, 2, 8, 4, 16), _rand(1, 2, 8, 4, 16))
   g, op, r = rule_of_fn(fn, *args, primitive="dot_general")
   assign = {_factor(r, 0, 0): ("data",), _factor(r, 0, 2): ("model",)}
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
+
+
+def test_numerics_ragged_dot_free_and_contracting_split(mesh):
+  sizes = jnp.array([5, 0, 8, 3], jnp.int32)
+  fn = jax.lax.ragged_dot
+  args = (_rand(0, 16, 8), _rand(1, 4, 8, 32), sizes)
+  g, op, r = rule_of_fn(fn, *args, primitive="ragged_dot_general")
+  assign = {_factor(r, 0, 1): ("data",), _factor(r, 1, 2): ("model",)}
+  check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
+  # The weight gradient's two free dims, one per axis.
+  numbers = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
+  fn = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=numbers)
+  args = (_rand(0, 16, 8), _rand(1, 16, 32), sizes)
+  g, op, r = rule_of_fn(fn, *args, primitive="ragged_dot_general")
+  assign = {_factor(r, 0, 1): ("data",), _factor(r, 1, 1): ("model",)}
   check_sharded(fn, args, g, op, assign, mesh, local_fn=fn)
 
 

@@ -103,6 +103,7 @@ _ELEMENTWISE = (
     "igamma_grad_a",
     # comparisons, logic, bits
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left",
+    "eq_to", "lt_to", "le_to",  # total-order comparisons (`jnp.searchsorted`'s)
     "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
     # selection and conversion
     "select_n", "convert_element_type", "bitcast_convert_type",
@@ -113,7 +114,7 @@ _SUMS = ("add", "add_any")
 # IsExpensive list): math and special functions.
 _TRANSCENDENTAL = (
     "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "cos", "cosh",
-    "div", "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "rem", "rsqrt",
+    "div", "exp", "exp2", "expm1", "log", "log1p", "log2", "logistic", "pow", "rem", "rsqrt",
     "sin", "sinh", "sqrt", "tan", "tanh",
     "bessel_i0e", "bessel_i1e", "digamma", "erf", "erf_inv", "erfc", "igamma", "igammac",
     "lgamma", "polygamma", "regularized_incomplete_beta", "zeta", "random_gamma_grad",
@@ -688,7 +689,9 @@ register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE
 # Primitives known to have no useful split: kept replicated without a warning.
 _REPLICATED = ("rng_bit_generator", "rng_uniform", "random_bits", "random_seed",
                "random_wrap", "random_unwrap", "random_fold_in", "random_split",
-               "random_clone", "create_token", "after_all")
+               "random_clone", "create_token", "after_all",
+               # `jax.debug.print` / `jax.debug.callback`: XLA gathers what they read.
+               "debug_print", "debug_callback")
 
 
 def _replicated(params, ins, outs) -> OpRule:

@@ -2,7 +2,8 @@
 
 Each idiom is a loss (or a whole step) as a user might bring it: control flow (`cond`,
 `fori_loop`, `associative_scan`), a `custom_vjp`, sorting and top-k routing, dropless
-routing through one grouped matmul (`lax.ragged_dot`) and `segment_sum`, an FFT
+routing through one grouped matmul (`lax.ragged_dot`) and `segment_sum`, `log2` and
+`jax.debug.print`, an FFT
 mixing layer, pooling and resizing, a `shard_map` inside the step, mixed precision with
 loss scaling, gradient accumulation over microbatches, flax nnx layers scanned with
 `nnx.scan`, dropout drawing from a key in the batch. For each, the plan unbudgeted and
@@ -112,6 +113,13 @@ def ragged_dot_experts(w, x):  # dropless routing: tokens sorted by expert, one 
   return jnp.mean(y ** 2) + jnp.mean(per_expert ** 2)
 
 
+def bits_printed(w, x):  # an entropy in bits (jnp.log2), watched with jax.debug.print
+  p = jax.nn.softmax(x @ w["w1"], -1)
+  bits = -jnp.sum(p * jnp.log2(p + 1e-9), -1)
+  jax.debug.print("mean entropy {e} bits", e=jnp.mean(bits))
+  return jnp.mean(bits) + jnp.mean((p @ w["w2"]) ** 2)
+
+
 def causal_cumsum(w, x):
   h = x @ w["w1"]
   scores = jnp.where(jnp.tril(jnp.ones((S, S), bool)),
@@ -152,8 +160,8 @@ def bf16_dots(w, x):
 
 
 LOSSES = [custom_vjp, cond, fori_loop, associative_scan, sort_top, top_k_routing,
-          ragged_dot_experts, causal_cumsum, fft_mixing, pool_and_resize, shard_map_inside,
-          vmapped_ensemble, bf16_dots]
+          ragged_dot_experts, bits_printed, causal_cumsum, fft_mixing, pool_and_resize,
+          shard_map_inside, vmapped_ensemble, bf16_dots]
 
 
 # -- whole steps ------------------------------------------------------------------

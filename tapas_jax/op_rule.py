@@ -195,6 +195,13 @@ class Facts:
     expensive: fusible, but XLA does not duplicate it into several readers (its
       `IsExpensive` list: transcendental ops): with more than one reader its result
       is written out.
+    costly: expensive on the TPU too. The TPU compiler recomputes the other expensive
+      ops (exp, logistic, tanh) in each fusion that reads them, but writes out a chain
+      holding an erf (erfc) read by a dot and by another op: the exact GELU's output,
+      read by the forward's and the backward's dots, is the second output of the dot
+      making its input (the tanh GELU is recomputed in both). A float divide (the
+      softmax's `e / sum(e)`) was seen written at some sizes and not at others: it is
+      not costly here.
     fusion_root: a reduction a fusible op fuses into; its own result is written.
     in_place: XLA runs it in place: the result takes over the buffer of operand 0
       when that is its last use (a scatter into zeros, a dynamic update).
@@ -218,6 +225,7 @@ class Facts:
 
   fusible: bool = False
   expensive: bool = False
+  costly: bool = False
   fusion_root: bool = False
   in_place: bool = False
   contracts: bool = False

@@ -161,7 +161,10 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     writes it as a second output;
   * the transcendental ops (exp, logistic) are recomputed in each reader like cheap
     ones: the softmax's exp is computed in the forward reduction and again in the
-    backward dots, the gate's sigmoid in the MLP's forward and backward fusions;
+    backward dots, the gate's sigmoid in the MLP's forward and backward fusions; but
+    a chain holding a `Facts.costly` op (erf) on the chain's scale, read by a dot and by
+    another op, is written: the exact GELU's output is (its erfc is recomputed in the
+    backward's elementwise fusion);
   * a one-hot scatter-add (`take_along_axis`'s transpose: one update per row, the
     loss's label gradient) is a select against an iota, elementwise;
   * in the top-level program (not a loop body's), a dot or convolution read once,
@@ -185,6 +188,8 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     mapped = ()
   out: set[int] = set()
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
+  # Fused value -> the elements of the largest `Facts.costly` op's result its chain holds.
+  costly: dict[int, int] = {}
   ops, consumers = graph.ops, graph.consumers
   # `_reader_fuses` is a fact of the reader's primitive, asked of every reader of every
   # op: asked once per primitive here (not cached across calls: rules may be registered).
@@ -210,8 +215,15 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
                                                 for r in readers))):
         continue
       if dot_operands:
-        leaves[v] = _big_leaves(graph, op, v, out, leaves)
         into_dot = any(ruleslib.facts(r.primitive).contracts for r in readers)
+        held = max([costly.get(x, 0) for x in op.inputs]
+                   + [_elements(graph, v)] * ruleslib.facts(op.primitive).costly, default=0)
+        # Only one on the value's scale: a row sum's reciprocal is recomputed freely.
+        if 4 * held >= _elements(graph, v) > 0:
+          if into_dot and len(readers) > 1:
+            continue
+          costly[v] = held
+        leaves[v] = _big_leaves(graph, op, v, out, leaves)
         if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
             into_dot and op.primitive == "convert_element_type"
             and op.inputs[0] not in graph.producer):
@@ -431,13 +443,18 @@ def _feeds_back(graph: Graph, reduction: int, chain_ops: set[int], live: set[int
 def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:
   """Whether XLA computes `op`'s result inside each of these readers' fusions: an
   elementwise or data-movement op read only by fusions that take it, an expensive one
-  by one reader only (with `dot_operands`, the TPU compiler's: dots too, and expensive
-  ops recomputed in each). Used where `fused_values` cannot see the readers: a scan
-  body's recomputed residual read in the backward loop's body."""
-  return (ruleslib.facts(op.primitive).fusible and not op.subregions and bool(readers)
+  by one reader only (with `dot_operands`, the TPU compiler's: dots too, and of the
+  expensive ops only a `Facts.costly` one read by a dot is kept to one reader). Used
+  where `fused_values` cannot see the readers: a scan body's recomputed residual read
+  in the backward loop's body."""
+  f = ruleslib.facts(op.primitive)
+  if dot_operands:
+    once = f.costly and any(ruleslib.facts(r.primitive).contracts for r in readers)
+  else:
+    once = f.expensive
+  return (f.fusible and not op.subregions and bool(readers)
           and all(_reader_fuses(r, dot_operands) and not r.subregions for r in readers)
-          and (dot_operands or not ruleslib.facts(op.primitive).expensive
-               or len(readers) == 1))
+          and (not once or len(readers) == 1))
 
 
 def _reader_fuses(reader: Op, dot_operands: bool) -> bool:

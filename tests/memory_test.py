@@ -574,7 +574,7 @@ def test_tpu_fusion_writes_the_exact_gelus_output_that_dots_read():
     assert tanh[:2] == ["dot_general bfloat16", "dot_general bfloat16"], tanh
 
 
-def _mlp_step(ps, x):
+def _gelu_mlp_step(ps, x):
   """An SGD step of two residual MLP blocks, bf16 dots, the exact GELU."""
   def loss(ps):
     h = x
@@ -585,7 +585,7 @@ def _mlp_step(ps, x):
   return jax.tree.map(lambda a, g: a - 0.1 * g, ps, jax.grad(loss)(ps))
 
 
-def _mlp_args(batch=16, seq=1024, width=1024, layers=2):
+def _gelu_mlp_args(batch=16, seq=1024, width=1024, layers=2):
   s = jax.ShapeDtypeStruct
   p = {"up": s((width, 4 * width), F32), "down": s((4 * width, width), F32)}
   return [p] * layers, s((batch, seq, width), F32)
@@ -595,7 +595,7 @@ def test_the_exact_gelus_output_written_agrees_with_the_tpu_compiler(libtpu, mon
   # Data parallel over v5p:2x2x1, judged by the TPU compiler's live peak: within 10%
   # with the GELU's output written, and further under without (each layer's missed).
   del libtpu
-  step, args = _mlp_step, _mlp_args()
+  step, args = _gelu_mlp_step, _gelu_mlp_args()
   ratios = []
   for costly in (True, False):
     for name in ("erf", "erfc"):

@@ -216,10 +216,13 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
         continue
       if dot_operands:
         into_dot = any(ruleslib.facts(r.primitive).contracts for r in readers)
-        held = max([costly.get(x, 0) for x in op.inputs]
-                   + [_elements(graph, v)] * ruleslib.facts(op.primitive).costly, default=0)
-        # Only one on the value's scale: a row sum's reciprocal is recomputed freely.
-        if 4 * held >= _elements(graph, v) > 0:
+        size = _elements(graph, v)
+        if ruleslib.facts(op.primitive).costly:
+          held = size
+        else:
+          held = max((costly.get(x, 0) for x in op.inputs), default=0)
+        # Only one on the value's scale counts: a row statistic's erf is recomputed freely.
+        if size and 4 * held >= size:
           if into_dot and len(readers) > 1:
             continue
           costly[v] = held

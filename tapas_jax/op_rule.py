@@ -199,9 +199,12 @@ class Facts:
       ops (exp, logistic, tanh) in each fusion that reads them, but writes out a chain
       holding an erf (erfc) read by a dot and by another op: the exact GELU's output,
       read by the forward's and the backward's dots, is the second output of the dot
-      making its input (the tanh GELU is recomputed in both). A float divide (the
-      softmax's `e / sum(e)`) was seen written at some sizes and not at others: it is
-      not costly here.
+      making its input (the tanh GELU is recomputed in both).
+    costly_narrow: costly where the value the dots read is narrower than 32 bits: the
+      TPU compiler recomputes an f32 softmax's divide `e / sum(e)` inside each dot
+      reading the probabilities, but writes them where they are bf16, computed so or
+      converted so for the dots (a mixed-precision softmax), and read by a dot and
+      another op.
     fusion_root: a reduction a fusible op fuses into; its own result is written.
     in_place: XLA runs it in place: the result takes over the buffer of operand 0
       when that is its last use (a scatter into zeros, a dynamic update).
@@ -226,6 +229,7 @@ class Facts:
   fusible: bool = False
   expensive: bool = False
   costly: bool = False
+  costly_narrow: bool = False
   fusion_root: bool = False
   in_place: bool = False
   contracts: bool = False

@@ -114,15 +114,17 @@ _SUMS = ("add", "add_any")
 # IsExpensive list): math and special functions.
 _TRANSCENDENTAL = (
     "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "cos", "cosh",
-    "div", "exp", "exp2", "expm1", "log", "log1p", "log2", "logistic", "pow", "rem", "rsqrt",
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "logistic", "pow", "rem", "rsqrt",
     "sin", "sinh", "sqrt", "tan", "tanh",
     "bessel_i0e", "bessel_i1e", "digamma", "erf_inv", "igamma", "igammac",
     "lgamma", "polygamma", "regularized_incomplete_beta", "zeta", "random_gamma_grad",
     # counter-based RNG is elementwise in its counters, so dropout masks can shard
     "threefry2x32",
 )
-# Expensive on the TPU too (`Facts.costly`): written where a dot and another op read them.
+# Expensive on the TPU too (`Facts.costly`): written where a dot and another op read them;
+# a float divide only where the value read is bf16 (`Facts.costly_narrow`).
 _COSTLY = ("erf", "erfc")
+_COSTLY_NARROW = ("div",)
 # Same maps, but pure data movement (no FLOPs); these three copy their operand (the
 # marks JAX puts on the residuals a user's remat saves), as reduce_precision does.
 _COPIES = ("copy", "copy_p", "optimization_barrier")
@@ -130,7 +132,8 @@ _IDENTITY = ("stop_gradient", "device_put", "sharding_constraint", "pvary",
              "reshard",  # `jax.sharding.reshard` (shard_map emits it under jax >= 0.12)
              "name")  # `jax.ad_checkpoint.checkpoint_name`: tags a value for remat policies
 # Public names: every elementwise and every identity-like primitive.
-ELEMENTWISE = _ELEMENTWISE + _SUMS + _TRANSCENDENTAL + _COSTLY + ("reduce_precision",)
+ELEMENTWISE = (_ELEMENTWISE + _SUMS + _TRANSCENDENTAL + _COSTLY + _COSTLY_NARROW
+               + ("reduce_precision",))
 IDENTITY = _COPIES + _IDENTITY
 
 # Facts shared by groups of rules (`Facts`; the default: written out, own buffer).
@@ -139,6 +142,7 @@ _SUM = Facts(fusible=True, sums=True)
 _MOVE = Facts(fusible=True, moves=True)
 _FUSES_ONCE = Facts(fusible=True, expensive=True)
 _COSTLY_FACTS = Facts(fusible=True, expensive=True, costly=True)
+_COSTLY_NARROW_FACTS = Facts(fusible=True, expensive=True, costly_narrow=True)
 _COPY = Facts(fusible=True, copies=True)
 _ROOT = Facts(fusion_root=True)
 _IN_PLACE = Facts(in_place=True)
@@ -149,6 +153,7 @@ _CONTRACTS = Facts(contracts=True)
 @register(*_SUMS, facts=_SUM)
 @register(*_TRANSCENDENTAL, facts=_FUSES_ONCE)
 @register(*_COSTLY, facts=_COSTLY_FACTS)
+@register(*_COSTLY_NARROW, facts=_COSTLY_NARROW_FACTS)
 @register("reduce_precision", facts=_COPY)
 def _elementwise(params, ins, outs, flops: bool = True) -> OpRule:
   """One factor per output dim; broadcast (size-1) and scalar operand dims stay None."""

@@ -164,7 +164,9 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
     backward dots, the gate's sigmoid in the MLP's forward and backward fusions; but
     a chain holding a `Facts.costly` op (erf) on the chain's scale, read by a dot and by
     another op, is written: the exact GELU's output is (its erfc is recomputed in the
-    backward's elementwise fusion);
+    backward's elementwise fusion); so is one holding a `Facts.costly_narrow` op (a
+    divide) where the value read is narrower than 32 bits: a bf16 softmax's
+    probabilities, or an f32 one's converted to bf16 for the dots;
   * a one-hot scatter-add (`take_along_axis`'s transpose: one update per row, the
     loss's label gradient) is a select against an iota, elementwise;
   * in the top-level program (not a loop body's), a dot or convolution read once,
@@ -190,6 +192,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   leaves: dict[int, frozenset[int]] = {}  # fused value -> the big values its chain reads
   # Fused value -> the elements of the largest `Facts.costly` op's result its chain holds.
   costly: dict[int, int] = {}
+  narrow_only: set[int] = set()  # of those, chains whose op is costly only when narrow
   ops, consumers = graph.ops, graph.consumers
   # `_reader_fuses` is a fact of the reader's primitive, asked of every reader of every
   # op: asked once per primitive here (not cached across calls: rules may be registered).
@@ -217,15 +220,20 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
       if dot_operands:
         into_dot = any(ruleslib.facts(r.primitive).contracts for r in readers)
         size = _elements(graph, v)
-        if ruleslib.facts(op.primitive).costly:
-          held = size
+        f = ruleslib.facts(op.primitive)
+        if f.costly or f.costly_narrow:
+          held, narrow = size, f.costly_narrow
         else:
-          held = max((costly.get(x, 0) for x in op.inputs), default=0)
+          held, narrow = max(((costly.get(x, 0), x in narrow_only) for x in op.inputs),
+                             default=(0, False))
         # Only one on the value's scale counts: a row statistic's erf is recomputed freely.
         if size and 4 * held >= size:
-          if into_dot and len(readers) > 1:
+          if into_dot and len(readers) > 1 and (not narrow
+                                                or graph.types[v].itemsize < 4):
             continue
           costly[v] = held
+          if narrow:
+            narrow_only.add(v)
         leaves[v] = _big_leaves(graph, op, v, out, leaves)
         if (len(leaves[v]) > 1 and (into_dot or len(readers) > 1)) or (
             into_dot and op.primitive == "convert_element_type"
@@ -443,16 +451,19 @@ def _feeds_back(graph: Graph, reduction: int, chain_ops: set[int], live: set[int
   return False
 
 
-def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False) -> bool:
+def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False,
+               narrow: bool = False) -> bool:
   """Whether XLA computes `op`'s result inside each of these readers' fusions: an
   elementwise or data-movement op read only by fusions that take it, an expensive one
   by one reader only (with `dot_operands`, the TPU compiler's: dots too, and of the
-  expensive ops only a `Facts.costly` one read by a dot is kept to one reader). Used
-  where `fused_values` cannot see the readers: a scan body's recomputed residual read
-  in the backward loop's body."""
+  expensive ops only a `Facts.costly` one read by a dot is kept to one reader, or a
+  `Facts.costly_narrow` one whose result is `narrow`er than 32 bits). Used where
+  `fused_values` cannot see the readers: a scan body's recomputed residual read in the
+  backward loop's body."""
   f = ruleslib.facts(op.primitive)
   if dot_operands:
-    once = f.costly and any(ruleslib.facts(r.primitive).contracts for r in readers)
+    once = (f.costly or (f.costly_narrow and narrow)) and any(
+        ruleslib.facts(r.primitive).contracts for r in readers)
   else:
     once = f.expensive
   return (f.fusible and not op.subregions and bool(readers)

@@ -476,7 +476,8 @@ def _read_back(problem: Problem, r: ScanRemat, fr) -> set[int]:
     v, p = fr.outputs[s], g.producer.get(fr.outputs[s])
     readers = [g.ops[c] for c in g.consumers.get(br.inputs[j], ())
                if g.ops[c].region == br.index]
-    if p in recomputed and fuses_into(g.ops[p], readers, problem.profile.dot_operand_fusion):
+    if p in recomputed and fuses_into(g.ops[p], readers, problem.profile.dot_operand_fusion,
+                                      narrow=g.types[v].itemsize < 4):
       out.update(x for x in g.ops[p].inputs if g.producer.get(x) in recomputed)
     else:
       out.add(v)

@@ -6,7 +6,8 @@ with Keras' default exact GELU) under the `mixed_bfloat16` policy, trained throu
 `stateless_call` and `AdamW.stateless_apply`. Our plan and the FSDP and data-parallel
 baselines are searched with the `tpu-v5p` profile (our cost model), then compiled for
 a TPU topology through libtpu (`tapas.verify`, no TPU needed), which prints the
-compiler's peak beside the prediction. Needs the test extra (keras) and the tpu extra.
+compiler's peak beside the prediction, with the state in JAX's default layouts and in
+the compiler's (`layouts="auto"`). Needs the test extra (keras) and the tpu extra.
 
   ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu python scripts/bench_keras.py
   ... --layers=2 --width=1024                                # smaller, faster
@@ -66,6 +67,9 @@ def main():
   parser.add_argument("--topology", default="v5p:2x2x1")
   parser.add_argument("--mesh", default="data=2,model=2")
   parser.add_argument("--layouts", default="tapas,fsdp,data_parallel")
+  parser.add_argument("--state_layouts", default="default,auto",
+                      help="tapas.apply's layouts= to compile each plan with: JAX's "
+                      "default layouts for the state, the compiler's (auto), or both")
   a = parser.parse_args()
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -84,13 +88,18 @@ def main():
       warnings.simplefilter("ignore")
       plan = (tapas.search(step, *args, mesh=mesh, device="tpu-v5p") if layout == "tapas"
               else baselines.baseline(layout, step, *args, mesh=mesh, device="tpu-v5p"))
-      start = time.perf_counter()
-      record = tapas.verify(plan, step, *args, topology=a.topology, donate_argnums=0)
-    predicted = plan.stats.predicted_memory_bytes
-    print(f"  {layout:14s} predicted {predicted / 2**30:6.2f} GiB, compiled peak "
-          f"{record.live_peak_bytes / 2**30:6.2f} GiB ({predicted / record.live_peak_bytes:.2f}"
-          f"), step {plan.stats.predicted_step_s * 1e3:.1f} ms (model); compile "
-          f"{time.perf_counter() - start:.0f} s")
+    for state_layouts in a.state_layouts.split(","):
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        record = tapas.verify(plan, step, *args, topology=a.topology, donate_argnums=0,
+                              layouts=state_layouts)
+      predicted = plan.stats.predicted_memory_bytes
+      print(f"  {layout:14s} predicted {predicted / 2**30:6.2f} GiB, compiled peak "
+            f"{record.live_peak_bytes / 2**30:6.2f} GiB ({predicted / record.live_peak_bytes:.2f}"
+            f") with the state in {state_layouts} layouts, step "
+            f"{plan.stats.predicted_step_s * 1e3:.1f} ms (model); compile "
+            f"{time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,9 @@ def main():
       predicted = plan.stats.predicted_memory_bytes
       print(f"  {layout:14s} predicted {predicted / 2**30:6.2f} GiB, compiled peak "
             f"{record.live_peak_bytes / 2**30:6.2f} GiB ({predicted / record.live_peak_bytes:.2f}"
-            f") with the state in {state_layouts} layouts, step "
+            f") with the state in {state_layouts} layouts; bytes sent predicted "
+            f"{record.predicted_comm_bytes / 2**30:.2f} GiB, compiled "
+            f"{record.comm_bytes.get('total', 0.0) / 2**30:.2f} ({record.comm_ratio:.2f}); step "
             f"{plan.stats.predicted_step_s * 1e3:.1f} ms (model); compile "
             f"{time.perf_counter() - start:.0f} s")
 

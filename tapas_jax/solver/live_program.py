@@ -10,6 +10,7 @@ one `Entries`; both are here so that every step can name their types without imp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -106,6 +107,14 @@ class LiveProgram:
   @property
   def end(self) -> int:
     return len(self.top) - 1
+
+  @functools.cached_property
+  def alive(self) -> np.ndarray:
+    """`live` as a mask over op indices, built once: the passes that map copies read it
+    as an array."""
+    out = np.zeros(len(self.graph.ops), bool)
+    out[np.fromiter(self.live, np.int64, len(self.live))] = True
+    return out
 
 
 def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> LiveProgram:

@@ -194,6 +194,8 @@ class _Found:
     of (delivered value, value reached) pairs. A delivered value computed from more
     than one gradient (a tied weight's) is walked back alone, for the order it finds
     them in."""
+    if not delivered:
+      return {}
     g, w = self.prog.graph, self.prog.graph.top_wiring
     items = list(delivered.values())
     shaped = np.full(len(g.types), -1, np.int8)  # asked once per value reached

@@ -393,18 +393,35 @@ def _add_loop_bodies(entries: Entries, problem: Problem, prog: LiveProgram) -> N
 
 def _add_gathered_inputs(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
   """A parameter used in another layout than it is stored in (ZeRO): its gathered
-  copy, from its first compute reader to its last."""
+  copy, from its first compute reader to its last. Its layouts are asked once per value
+  standing for it (a folded layer's copies of a parameter are laid out alike), its
+  readers of the wiring's arrays (every copy's parameters are asked)."""
   g = prog.graph
+  used: dict[int, tuple | None] = {}  # value standing for the input -> (use, stored)
+  asked = []
   for i in g.inputs:
-    use = problem.reader_dims.get((problem.cv(i.value), False))
-    if use is None:
-      continue
-    readers = sorted(prog.pos[c] for c in g.consumers.get(i.value, ()) if c in prog.live
-                     and problem.view.op_canon.get(c, c) not in problem.update_ops)
-    if not readers:
-      continue
-    entries.add(readers[0], readers[-1], g.types[i.value].nbytes, i.value, use,
-                stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
+    cv = problem.cv(i.value)
+    if cv not in used:
+      use = problem.reader_dims.get((cv, False))
+      used[cv] = None if use is None else (use, tuple(problem.value_class[(cv, d)]
+                                                      for d in range(len(use))))
+    if used[cv] is not None:
+      asked.append((i.value, used[cv]))
+  if not asked:
+    return
+  w = g.top_wiring
+  read, read_at = w.values[w.read], w.positions[w.read]
+  ask = np.zeros(len(g.types), bool)
+  ask[[v for v, _ in asked]] = True
+  keep = ask[read] & prog.alive[w.index[read_at]] & ~prog.updating[w.index[read_at]]
+  first = np.full(len(g.types), len(prog.top))
+  last = np.full(len(g.types), -1)
+  np.minimum.at(first, read[keep], read_at[keep])
+  np.maximum.at(last, read[keep], read_at[keep])
+  for (v, (use, stored)), a, b in zip(asked, first[[v for v, _ in asked]].tolist(),
+                                      last[[v for v, _ in asked]].tolist()):
+    if b >= 0:
+      entries.add(a, b, g.types[v].nbytes, v, use, stored=stored)
 
 
 def _add_donated_copies(entries: Entries, problem: Problem, prog: LiveProgram) -> None:

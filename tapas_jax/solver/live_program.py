@@ -112,9 +112,12 @@ class LiveProgram:
   def alive(self) -> np.ndarray:
     """`live` as a mask over op indices, built once: the passes that map copies read it
     as an array."""
-    out = np.zeros(len(self.graph.ops), bool)
-    out[np.fromiter(self.live, np.int64, len(self.live))] = True
-    return out
+    return _mask(len(self.graph.ops), self.live)
+
+  @functools.cached_property
+  def updating(self) -> np.ndarray:
+    """`update` as a mask over op indices, built once."""
+    return _mask(len(self.graph.ops), self.update)
 
 
 def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> LiveProgram:
@@ -184,3 +187,9 @@ def readers_through(prog: LiveProgram, v: int, skip: Callable[[int, int], bool],
         seen.update(op.outputs)
       else:
         yield x, op
+
+
+def _mask(size: int, ids: frozenset[int] | set[int]) -> np.ndarray:
+  out = np.zeros(size, bool)
+  out[np.fromiter(ids, np.int64, len(ids))] = True
+  return out

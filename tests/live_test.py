@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tapas_jax import cost, fold, models, trace
-from tapas_jax.solver import build_problem, folded_view, fusion, live
+from tapas_jax.solver import build_problem, donated, folded_view, fusion, live
 import styles  # tests/styles.py: train steps in common library styles
 
 # Six layers (ten for the MoE's alternating blocks, five blocks a ResNet stage): the
@@ -94,3 +94,28 @@ def test_interior_copies_are_mapped_not_walked(monkeypatch):
   # Of each copy's ~550 ops, only those making a value read outside it (the residual
   # stream's cotangent, ...) or extended past it are walked.
   assert walked[1] - walked[0] < 6 * 10, walked
+
+
+def test_donated_inputs_walk_few_of_the_copies_ops(monkeypatch):
+  # Which donated inputs XLA copies is asked of the readers that do not feed their next
+  # value inside their own copy, and of what they reach past it: the walk (and its
+  # answer, checked against walking every op above) must not grow by a layer's ops per
+  # layer.
+  reached = []
+  walk = donated._reached
+
+  def spy(prog, copies, start):
+    found = walk(prog, copies, start)
+    reached.append(len(found))
+    return found
+
+  monkeypatch.setattr(donated, "_reached", spy)
+  for layers in (6, 12):
+    m = models.get_model("gpt", "tiny", num_layers=layers)
+    g = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(8))
+    p = build_problem(g, cost.mesh_spec({"data": 8}, "cpu"), cost.get_profile("cpu"), None,
+                      view=folded_view(fold.fold(g)))
+    live.activations(p)
+  top = len(g.region_ops(0))
+  assert reached[1] < top / 2, (reached, top)
+  assert reached[1] - reached[0] < 6 * 30, reached  # ~16 a layer

@@ -20,6 +20,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.conv_inputs import add_conv_input_copies
+from tapas_jax.solver.donated import donated_copies
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.reorder import glue_gradients_last
@@ -137,7 +138,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   * A donated input read by an op its next value does not depend on (the backward
     pass's `dy @ W.T` does not feed W's own update) is copied whole by XLA's copy
     insertion before anything is written in place, and the copy lives until the update
-    (`_donated_copies`; the TPU compiler orders the readers first instead:
+    (`donated`; the TPU compiler orders the readers first instead:
     `copies_donated_inputs`).
   * Each dim is split as its producer makes it: over its class's axes, or whole where
     the producer's rule keeps it whole.
@@ -392,29 +393,46 @@ def _add_loop_bodies(entries: Entries, problem: Problem, prog: LiveProgram) -> N
 
 def _add_gathered_inputs(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
   """A parameter used in another layout than it is stored in (ZeRO): its gathered
-  copy, from its first compute reader to its last."""
+  copy, from its first compute reader to its last. Its layouts are asked once per value
+  standing for it (a folded layer's copies of a parameter are laid out alike), its
+  readers of the wiring's arrays (every copy's parameters are asked)."""
   g = prog.graph
+  used: dict[int, tuple | None] = {}  # value standing for the input -> (use, stored)
+  asked = []
   for i in g.inputs:
-    use = problem.reader_dims.get((problem.cv(i.value), False))
-    if use is None:
-      continue
-    readers = sorted(prog.pos[c] for c in g.consumers.get(i.value, ()) if c in prog.live
-                     and problem.view.op_canon.get(c, c) not in problem.update_ops)
-    if not readers:
-      continue
-    entries.add(readers[0], readers[-1], g.types[i.value].nbytes, i.value, use,
-                stored=tuple(problem.vclass(i.value, d) for d in range(len(use))))
+    cv = problem.cv(i.value)
+    if cv not in used:
+      use = problem.reader_dims.get((cv, False))
+      used[cv] = None if use is None else (use, tuple(problem.value_class[(cv, d)]
+                                                      for d in range(len(use))))
+    if used[cv] is not None:
+      asked.append((i.value, used[cv]))
+  if not asked:
+    return
+  w = g.top_wiring
+  read, read_at = w.values[w.read], w.positions[w.read]
+  ask = np.zeros(len(g.types), bool)
+  ask[[v for v, _ in asked]] = True
+  keep = ask[read] & prog.alive[w.index[read_at]] & ~prog.updating[w.index[read_at]]
+  first = np.full(len(g.types), len(prog.top))
+  last = np.full(len(g.types), -1)
+  np.minimum.at(first, read[keep], read_at[keep])
+  np.maximum.at(last, read[keep], read_at[keep])
+  for (v, (use, stored)), a, b in zip(asked, first[[v for v, _ in asked]].tolist(),
+                                      last[[v for v, _ in asked]].tolist()):
+    if b >= 0:
+      entries.add(a, b, g.types[v].nbytes, v, use, stored=stored)
 
 
 def _add_donated_copies(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
-  """A donated input's copy before its update (`_donated_copies`); gone where the
+  """A donated input's copy before its update (`donated.donated_copies`); gone where the
   batch is split (`unless`), and on a compiler that orders the readers first instead
   (`DeviceProfile.copies_donated_inputs`)."""
   if not problem.profile.copies_donated_inputs:
     return
   g = prog.graph
   batch = tuple(c.index for c in problem.classes if c.batch)
-  for v, first, last in _donated_copies(prog):
+  for v, first, last in donated_copies(prog):
     entries.add(first, last, g.types[v].nbytes, v,
                 tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))),
                 unless=batch)
@@ -551,51 +569,6 @@ def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
   return tuple(sorted({fclass[f] for f in rule.reduce
                        if f < len(fclass) and fclass[f] >= 0
                        and problem.classes[fclass[f]].splittable}))
-
-
-def _donated_copies(prog: LiveProgram) -> list[tuple[int, int, int]]:
-  """(input, first reader, update) of each donated input XLA copies before its update.
-
-  The next state is written into its input's buffer, so XLA's copy insertion keeps the
-  old value in a copy unless every reader of it is ordered before the update, that is,
-  is an ancestor of the next value in the dataflow. The backward pass's read of a
-  weight (`dy @ W.T`, for the layers below) is not, so without anything joining the
-  two the whole input is copied. Where the batch is split, the gradients' all-reduces
-  are combined into one, which every update waits on and every backward read comes
-  before: no copy (measured on XLA:CPU; `unless` in the entries).
-  """
-  g, top, pos, live = prog.graph, prog.top, prog.pos, prog.live
-  targets = {}  # producer op of a carried next value -> its bit
-  for k, _ in g.carried:
-    p = g.producer.get(g.outputs[k])
-    if p in pos:
-      targets.setdefault(p, len(targets))
-  # Per op, a bitmask of the next values it feeds (itself included): walk backwards.
-  feeds: dict[int, int] = {}
-  consumers = g.consumers
-  for op in reversed(top):
-    if op.index not in live:
-      continue
-    mask = 1 << targets[op.index] if op.index in targets else 0
-    for v in op.outputs:
-      for c in consumers.get(v, ()):
-        fed = feeds.get(c)
-        # Most ops feed what their one reader feeds: that reader's mask itself, not a
-        # copy (the masks are as wide as the state: a new one per op filled memory, and
-        # a fresh process paid for it in page faults: 0.085 -> 0.034 CPU s at 96 layers).
-        if fed and fed is not mask:
-          mask = mask | fed if mask else fed
-    feeds[op.index] = mask
-  out = []
-  for k, j in g.carried:
-    v, p = g.inputs[j].value, g.producer.get(g.outputs[k])
-    if p not in pos or not g.types[v].shape:
-      continue
-    bit = 1 << targets[p]
-    readers = [c for c in g.consumers.get(v, ()) if c in live and c in pos]
-    if any(not feeds.get(c, 0) & bit for c in readers):
-      out.append((v, min(pos[c] for c in readers), max(pos[c] for c in readers + [p])))
-  return out
 
 
 def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()

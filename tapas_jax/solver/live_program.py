@@ -10,6 +10,7 @@ one `Entries`; both are here so that every step can name their types without imp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -107,6 +108,17 @@ class LiveProgram:
   def end(self) -> int:
     return len(self.top) - 1
 
+  @functools.cached_property
+  def alive(self) -> np.ndarray:
+    """`live` as a mask over op indices, built once: the passes that map copies read it
+    as an array."""
+    return _mask(len(self.graph.ops), self.live)
+
+  @functools.cached_property
+  def updating(self) -> np.ndarray:
+    """`update` as a mask over op indices, built once."""
+    return _mask(len(self.graph.ops), self.update)
+
 
 def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> LiveProgram:
   g = problem.graph
@@ -175,3 +187,9 @@ def readers_through(prog: LiveProgram, v: int, skip: Callable[[int, int], bool],
         seen.update(op.outputs)
       else:
         yield x, op
+
+
+def _mask(size: int, ids: frozenset[int] | set[int]) -> np.ndarray:
+  out = np.zeros(size, bool)
+  out[np.fromiter(ids, np.int64, len(ids))] = True
+  return out

@@ -189,38 +189,7 @@ def _constraints(problem: Problem, choice: Choice,
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
   top = Standing(g, view)
-  out = []
-  made_as: dict[tuple[int, int], PartitionSpec] = {}
-
-  def reduces(rep):
-    rule = problem.rules.get(rep)
-    return rule is not None and bool(rule.reduce)
-
-  # Contractions' results as planned, reduced where they are made: XLA propagates the
-  # rest from these, and otherwise picks layouts of its own between them. A reader
-  # through a cut gets the made layout first, then its own (below): XLA reduces the
-  # result where it is made and reshards it, as the cut is priced.
-  for op in top.where(reduces):
-    rep = view.op_canon.get(op.index, op.index)
-    rule = problem.rules[rep]  # `reduces` held for it
-    if not op.outputs:
-      continue
-    tensors = [x for x in op.inputs if g.types[x].shape and x not in g.literals]
-    if len(tensors) < 2:
-      continue
-    v = op.outputs[0]
-    key = (rep, problem.cv(v))  # copies of a layer make alike: one spec each
-    if key not in made_as:
-      made_as[key] = spec([None if f is None else problem.vclass(v, d)
-                           for d, f in enumerate(rule.outputs[0])])
-    made = made_as[key]
-    for r in g.consumers.get(v, ()):
-      reader, rep_r = g.ops[r], view.op_canon.get(r, r)
-      if reader.region != 0:
-        continue
-      out += [Constraint(site=reader.site, slot=k, spec=made)
-              for k, (x, y) in enumerate(zip(reader.inputs, g.ops[rep_r].inputs))
-              if x == v]
+  out = _made_constraints(problem, spec, top)
   # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have,
   # whether they are one layout).
   pair: dict[tuple, tuple[PartitionSpec, PartitionSpec, bool]] = {}
@@ -279,6 +248,54 @@ def _constraints(problem: Problem, choice: Choice,
   reads.sort(key=operator.itemgetter(0))  # in program order, as one walk adds them
   out += [con for _, found in reads for con in found]
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:
+  """Contractions' results as planned, reduced where they are made: XLA propagates the
+  rest from these, and otherwise picks layouts of its own between them. A reader
+  through a cut gets the made layout first, then its own (`_constraints`): XLA
+  reduces the result where it is made and reshards it, as the cut is priced. One
+  spec per (op standing for the maker, value standing for its result): copies of a
+  layer make alike. Every copy's reducing op is asked (thousands in a deep model):
+  what it asks is looked up once."""
+  g, rules = problem.graph, problem.rules
+  op_canon, canon = problem.view.op_canon, problem.view.canon
+  ops, types, literals, consumers = g.ops, g.types, g.literals, g.consumers
+  made_as: dict[tuple[int, int], PartitionSpec] = {}
+  out = []
+
+  def reduces(rep):
+    rule = rules.get(rep)
+    return rule is not None and bool(rule.reduce)
+
+  for op in top.where(reduces):
+    if not op.outputs:
+      continue
+    tensors = [x for x in op.inputs if types[x].shape and x not in literals]
+    if len(tensors) < 2:
+      continue
+    rep = op_canon.get(op.index, op.index)
+    v = op.outputs[0]
+    key = (rep, canon.get(v, v))
+    made = made_as.get(key)
+    if made is None:
+      made = made_as[key] = spec([None if f is None else problem.vclass(v, d)
+                                  for d, f in enumerate(rules[rep].outputs[0])])
+    for r in consumers.get(v, ()):
+      reader = ops[r]
+      if reader.region != 0:
+        continue
+      inputs = reader.inputs
+      # Read in the slots the op standing for the reader has (as zip pairs them).
+      n = min(len(inputs), len(ops[op_canon.get(r, r)].inputs))
+      if inputs.count(v) == 1:  # most readers read it once
+        k = inputs.index(v)
+        if k < n:
+          out.append(Constraint(site=reader.site, slot=k, spec=made))
+      else:
+        out += [Constraint(site=reader.site, slot=k, spec=made)
+                for k in range(n) if inputs[k] == v]
+  return out
 
 
 def _copies_reads(g, c: Copies, slots_of, read_as, read_through) -> list[tuple[int, list]]:

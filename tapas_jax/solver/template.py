@@ -174,7 +174,7 @@ def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callabl
   def op_flags():
     if not flags:
       n = len(g.ops)
-      flags["ops"] = [_mask(prog.live, n), _mask(feeding, n), _mask(prog.update, n),
+      flags["ops"] = [prog.alive, _mask(feeding, n), _mask(prog.update, n),
                       _mask(unmapped, n)]
       m = len(g.types)
       flags["values"] = [_mask(prog.fused, m), _mask(delivered, m)]

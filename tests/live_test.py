@@ -72,6 +72,14 @@ def test_mapped_copies_match_the_walk_on_library_styles(style):
   _assert_folded_path_is_the_walk(trace.trace(p.step, p.state, p.batch))
 
 
+def _folded_gpt_problem(layers: int, device: str):
+  """The tiny GPT's train step at `layers` layers, folded, posed on 8 devices."""
+  m = models.get_model("gpt", "tiny", num_layers=layers)
+  g = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(8))
+  return build_problem(g, cost.mesh_spec({"data": 8}, device), cost.get_profile(device), None,
+                       view=folded_view(fold.fold(g)))
+
+
 def test_interior_copies_are_mapped_not_walked(monkeypatch):
   # The check above would pass with nothing mapped: most of the copies' ops must not
   # be walked, and the walk must not grow with depth.
@@ -84,12 +92,9 @@ def test_interior_copies_are_mapped_not_walked(monkeypatch):
 
   monkeypatch.setattr(live, "_add_made", spy)
   for layers in (6, 12):
-    m = models.get_model("gpt", "tiny", num_layers=layers)
-    g = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(8))
-    p = build_problem(g, cost.mesh_spec({"data": 8}, "h100"), cost.get_profile("h100"), None,
-                      view=folded_view(fold.fold(g)))
+    p = _folded_gpt_problem(layers, "h100")
     live.activations(p)
-  top = len(g.region_ops(0))
+  top = len(p.graph.region_ops(0))
   assert walked[1] < top / 2, (walked, top)
   # Of each copy's ~550 ops, only those making a value read outside it (the residual
   # stream's cotangent, ...) or extended past it are walked.
@@ -111,11 +116,8 @@ def test_donated_inputs_walk_few_of_the_copies_ops(monkeypatch):
 
   monkeypatch.setattr(donated, "_reached", spy)
   for layers in (6, 12):
-    m = models.get_model("gpt", "tiny", num_layers=layers)
-    g = trace.trace(m.train_step(), m.abstract_state(), m.batch_spec(8))
-    p = build_problem(g, cost.mesh_spec({"data": 8}, "cpu"), cost.get_profile("cpu"), None,
-                      view=folded_view(fold.fold(g)))
+    p = _folded_gpt_problem(layers, "cpu")
     live.activations(p)
-  top = len(g.region_ops(0))
+  top = len(p.graph.region_ops(0))
   assert reached[1] < top / 2, (reached, top)
   assert reached[1] - reached[0] < 6 * 30, reached  # ~16 a layer

@@ -33,7 +33,7 @@ import itertools
 import math
 import re
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -214,6 +214,14 @@ def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
   ends = np.cumsum(counts)
   return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if len(ends)
                                                                   else 0)
+
+
+def mask(size: int, ids: Iterable[int]) -> np.ndarray:
+  """A boolean array of `size` entries, true at `ids` (op or value ids)."""
+  ids = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64)
+  out = np.zeros(size, bool)
+  out[ids] = True
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,21 +80,29 @@ def _folded_gpt_problem(layers: int, device: str):
                        view=folded_view(fold.fold(g)))
 
 
+def _spied_at_6_and_12_layers(monkeypatch, module, name, count, device):
+  """How much `module.name` handled (`count(args, result)`) when the liveness of the
+  folded GPT at 6 and then 12 layers is computed, and the 12-layer top-level op count."""
+  seen = []
+  real = getattr(module, name)
+
+  def spy(*args):
+    result = real(*args)
+    seen.append(count(args, result))
+    return result
+
+  monkeypatch.setattr(module, name, spy)
+  for layers in (6, 12):
+    p = _folded_gpt_problem(layers, device)
+    live.activations(p)
+  return seen, len(p.graph.region_ops(0))
+
+
 def test_interior_copies_are_mapped_not_walked(monkeypatch):
   # The check above would pass with nothing mapped: most of the copies' ops must not
   # be walked, and the walk must not grow with depth.
-  walked = []
-  add_made = live._add_made
-
-  def spy(entries, problem, prog, conv, reach, positions, at=None):
-    walked.append(len(positions))
-    return add_made(entries, problem, prog, conv, reach, positions, at)
-
-  monkeypatch.setattr(live, "_add_made", spy)
-  for layers in (6, 12):
-    p = _folded_gpt_problem(layers, "h100")
-    live.activations(p)
-  top = len(p.graph.region_ops(0))
+  walked, top = _spied_at_6_and_12_layers(monkeypatch, live, "_add_made",
+                                          lambda args, _: len(args[5]), "h100")
   assert walked[1] < top / 2, (walked, top)
   # Of each copy's ~550 ops, only those making a value read outside it (the residual
   # stream's cotangent, ...) or extended past it are walked.
@@ -106,18 +114,7 @@ def test_donated_inputs_walk_few_of_the_copies_ops(monkeypatch):
   # value inside their own copy, and of what they reach past it: the walk (and its
   # answer, checked against walking every op above) must not grow by a layer's ops per
   # layer.
-  reached = []
-  walk = donated._reached
-
-  def spy(prog, copies, start):
-    found = walk(prog, copies, start)
-    reached.append(len(found))
-    return found
-
-  monkeypatch.setattr(donated, "_reached", spy)
-  for layers in (6, 12):
-    p = _folded_gpt_problem(layers, "cpu")
-    live.activations(p)
-  top = len(p.graph.region_ops(0))
+  reached, top = _spied_at_6_and_12_layers(monkeypatch, donated, "_reached",
+                                           lambda _, found: len(found), "cpu")
   assert reached[1] < top / 2, (reached, top)
   assert reached[1] - reached[0] < 6 * 30, reached  # ~16 a layer

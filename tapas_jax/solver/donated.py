@@ -18,12 +18,11 @@ as their representative's), so it stays flat in depth. Without copies
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection
 
 import numpy as np
 
 from tapas_jax.solver.live_program import LiveProgram
-from tapas_jax.trace import ranges
+from tapas_jax.trace import mask, ranges
 
 __all__ = ["donated_copies"]
 
@@ -87,7 +86,7 @@ class _Reads:
     maker = np.array([m for _, m in pairs], np.int64)
     alive = prog.alive[w.index]  # per position
     read, read_at = w.values[w.read], w.positions[w.read]
-    keep = _mask(len(types), value)[read] & alive[read_at]
+    keep = mask(len(types), value)[read] & alive[read_at]
     read, read_at = read[keep], read_at[keep]
     order = np.argsort(read, kind="stable")
     read, read_at = read[order], read_at[order]
@@ -332,10 +331,4 @@ def _handed(g, one: _Copy, s: int) -> list[int]:
     handed ^= low
     place, slot = layer.values[low.bit_length() - 1]
     out.append(g.ops[int(one.ops[place])].outputs[slot])
-  return out
-
-
-def _mask(size: int, ids: Collection[int]) -> np.ndarray:
-  out = np.zeros(size, bool)
-  out[np.fromiter(ids, np.int64, len(ids))] = True
   return out

@@ -28,7 +28,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.memo import memo
-from tapas_jax.trace import Graph, Op, ranges
+from tapas_jax.trace import Graph, Op, mask, ranges
 
 if TYPE_CHECKING:
   from tapas_jax.solver.views import Copies
@@ -60,7 +60,7 @@ def _top_live(graph: Graph) -> tuple[set[int], frozenset[int]]:
   read, made = w.values[w.read], w.values[~w.read]
   size = len(graph.types)
   reads = np.bincount(read, minlength=size)
-  pinned = _mask(graph.outputs, size)
+  pinned = mask(size, graph.outputs)
   producer = np.full(size, -1, np.int64)
   producer[made] = np.repeat(np.arange(len(w.index)), w.num_outputs)
   made_from = np.concatenate([[0], np.cumsum(w.num_outputs)])
@@ -268,9 +268,9 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
   every copy as in the representative, the copy's value is fused just where the
   representative's is. An op is skipped where every value it makes maps.
   """
-  live_mask = _mask(live, len(graph.ops))
-  reduction_mask = _mask(into_reduction, len(graph.ops))
-  output_mask = _mask(outputs, len(graph.types))
+  live_mask = mask(len(graph.ops), live)
+  reduction_mask = mask(len(graph.ops), into_reduction)
+  output_mask = mask(len(graph.types), outputs)
   skip = np.zeros(len(graph.ops), bool)
   mapped = []
   for c in copies:
@@ -291,12 +291,6 @@ def _mapped(graph: Graph, copies: Sequence[Copies], live: set[int], outputs: set
     keep = np.flatnonzero(~bad)
     mapped.append((rep_values[keep], values[:, keep]))
   return skip, mapped
-
-
-def _mask(ids, size: int) -> np.ndarray:
-  out = np.zeros(size, bool)
-  out[np.fromiter(ids, int, len(ids))] = True
-  return out
 
 
 def _output_fused(graph: Graph, top: Sequence[Op], live: set[int], outputs: set[int],

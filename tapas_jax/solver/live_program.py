@@ -19,7 +19,7 @@ import numpy as np
 from tapas_jax.solver.fusion import top_level
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import Copies
-from tapas_jax.trace import Graph, Op
+from tapas_jax.trace import Graph, Op, mask
 
 __all__ = ["Entries", "Lineup", "LiveProgram", "live_program", "readers_through"]
 
@@ -112,12 +112,12 @@ class LiveProgram:
   def alive(self) -> np.ndarray:
     """`live` as a mask over op indices, built once: the passes that map copies read it
     as an array."""
-    return _mask(len(self.graph.ops), self.live)
+    return mask(len(self.graph.ops), self.live)
 
   @functools.cached_property
   def updating(self) -> np.ndarray:
     """`update` as a mask over op indices, built once."""
-    return _mask(len(self.graph.ops), self.update)
+    return mask(len(self.graph.ops), self.update)
 
 
 def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> LiveProgram:
@@ -187,9 +187,3 @@ def readers_through(prog: LiveProgram, v: int, skip: Callable[[int, int], bool],
         seen.update(op.outputs)
       else:
         yield x, op
-
-
-def _mask(size: int, ids: frozenset[int] | set[int]) -> np.ndarray:
-  out = np.zeros(size, bool)
-  out[np.fromiter(ids, np.int64, len(ids))] = True
-  return out

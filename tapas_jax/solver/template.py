@@ -24,6 +24,7 @@ import numpy as np
 from tapas_jax.solver.live_program import Entries, LiveProgram
 from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import Copies
+from tapas_jax.trace import mask
 
 __all__ = ["Mapped", "Reach", "mapped_entries", "merge"]
 
@@ -148,13 +149,6 @@ def merge(entries: Entries, at: list[int], own: dict[int, int], mapped: Mapped
   return own
 
 
-def _mask(ids: Iterable[int], size: int) -> np.ndarray:
-  out = np.zeros(size, bool)
-  ids = np.fromiter(ids, int)
-  out[ids] = True
-  return out
-
-
 def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callable[[int], list[int]],
                    reach: Callable[[int], int], made: Callable[[object, int, int], tuple | None],
                    feeding, delivered: Mapping, unmapped: Iterable[int], cuts,
@@ -174,11 +168,11 @@ def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callabl
   def op_flags():
     if not flags:
       n = len(g.ops)
-      flags["ops"] = [prog.alive, _mask(feeding, n), _mask(prog.update, n),
-                      _mask(unmapped, n)]
+      flags["ops"] = [prog.alive, mask(n, feeding), prog.updating,
+                      mask(n, unmapped)]
       m = len(g.types)
-      flags["values"] = [_mask(prog.fused, m), _mask(delivered, m)]
-      flags["out"] = [_mask(prog.outputs, m), _mask(prog.carried, m)]
+      flags["values"] = [mask(m, prog.fused), mask(m, delivered)]
+      flags["out"] = [mask(m, prog.outputs), mask(m, prog.carried)]
     return flags
 
   parts = []

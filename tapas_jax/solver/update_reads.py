@@ -8,13 +8,13 @@ reference).
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from tapas_jax.solver.live_program import LiveProgram
 from tapas_jax.solver.problem import Problem
-from tapas_jax.trace import ranges
+from tapas_jax.trace import mask, ranges
 
 __all__ = ["UpdateReads"]
 
@@ -124,7 +124,7 @@ class _Found:
     maker = np.full(len(prog.graph.types), -1)
     maker[made] = made_at
     return cls(prog, made, made_at, w.values[w.read], w.positions[w.read], maker,
-               prog.alive[w.index], _mask(len(prog.graph.ops), prog.update)[w.index])
+               prog.alive[w.index], prog.updating[w.index])
 
   def delivered(self, problem: Problem) -> dict[int, tuple[tuple[int, ...], int]]:
     """`_delivered` asked of the values standing for those the update reads (the
@@ -143,7 +143,7 @@ class _Found:
     last = np.full(len(g.types), -1)
     np.maximum.at(last, self.read[read], self.read_at[read])
     keep = ((last[self.made] >= 0) & self.alive[self.made_at]
-            & ~_mask(len(g.types), self.prog.outputs)[self.made])
+            & ~mask(len(g.types), self.prog.outputs)[self.made])
     values = self.made[keep]
     stand = canon[values].tolist()
     dims = {v: tuple(problem.reader_dims[(v, True)]) for v in set(stand)}
@@ -159,8 +159,8 @@ class _Found:
     neither delivered nor fused and read by feeding (or dead) ops only (one answer:
     readers come after)."""
     g, w = self.prog.graph, self.prog.graph.top_wiring
-    fused = _mask(len(g.types), self.prog.fused)
-    given = _mask(len(g.types), delivered)
+    fused = mask(len(g.types), self.prog.fused)
+    given = mask(len(g.types), delivered)
     may = np.zeros(len(self.alive), bool)
     front = np.unique(self.maker[np.fromiter(delivered, np.int64, len(delivered))])
     front = front[front >= 0]
@@ -264,10 +264,4 @@ def _computed_from(prog: LiveProgram, w: int, feeding) -> list[int]:
       todo.extend(ops[p].inputs)
     else:
       out.append(x)
-  return out
-
-
-def _mask(size: int, ids: Collection[int]) -> np.ndarray:
-  out = np.zeros(size, bool)
-  out[np.fromiter(ids, np.int64, len(ids))] = True
   return out

@@ -274,6 +274,11 @@ class Graph:
     return {v: tuple(ops) for v, ops in out.items()}
 
   @functools.cached_property
+  def output_set(self) -> frozenset[int]:
+    """The program's output value ids, for membership tests."""
+    return frozenset(self.outputs)
+
+  @functools.cached_property
   def input_path(self) -> dict[int, str]:
     """value id -> key path, for graph inputs."""
     return {i.value: i.path for i in self.inputs}

@@ -302,16 +302,19 @@ class TableBuilder:
     value read only through cuts (by the state update, or by norms after a
     sequence-parallel dot) is reduced by its `cut_table`s instead.
     """
-    g = self.p.graph
     expr = self.partial_expr(v)
-    if expr is None:
-      return None
-    users = [c for c in self.users.get(v, ()) if self.p.read_dims(c, v) is None
-             and not self.absorbs_partial(c, v)]
-    if not users and v not in set(g.outputs):
+    if expr is None or not self._resolved_users(v):
       return None
     dims, _ = self._src(v)
-    return self._table(("resolve",), [], 0.0, None, [(g.types[v], dims, expr, dims)])
+    return self._table(("resolve",), [], 0.0, None,
+                       [(self.p.graph.types[v], dims, expr, dims)])
+
+  def _resolved_users(self, v: int) -> bool:
+    """Whether partial-or-not value v is reduced where it is made: some reader reads it
+    as made (not through a cut, not as a sum it absorbs), or it is a program output."""
+    return (v in self.p.graph.output_set
+            or any(self.p.read_dims(c, v) is None and not self.absorbs_partial(c, v)
+                   for c in self.users.get(v, ())))
 
   def carry_table(self, out: int, inp: int) -> Table | None:
     src_dims, _ = self._src(out)
@@ -330,7 +333,10 @@ class TableBuilder:
     residual's layout."""
     src_dims, _ = self._src(v)
     src_dims = self.fixed.get(v, src_dims)
-    partial = self.partial_expr(v)  # None for inputs; reads through cuts skip `resolve`
+    # None for inputs; a value some readers read as made is reduced once, by
+    # `resolve_table`, and the cut moves the reduced value (a gradient that Keras'
+    # Adam squares in the compute and subtracts in the update: one all-reduce).
+    partial = None if self._resolved_users(v) else self.partial_expr(v)
     dst = self.p.reader_dims[(v, side)]
     readers = [i for i in self.users.get(v, ()) if self.p.read_side(i, v) == side]
     return self._table(("cut",), [], 0.0, None,

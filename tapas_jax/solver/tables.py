@@ -40,7 +40,7 @@ from tapas_jax import rules as ruleslib
 from tapas_jax.solver.fusion import fused_values, live_ops, top_level
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.problem import Problem
-from tapas_jax.solver.views import Standing, scan_region
+from tapas_jax.solver.views import Standing, scan_bindings, scan_region
 from tapas_jax.trace import Op, TensorType
 
 __all__ = ["Table", "TableBuilder", "all_tables", "evaluate_tables", "mesh_dims"]
@@ -91,6 +91,7 @@ class TableBuilder:
     # The same for every builder over this program and view.
     self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
                                      lambda: _dead_and_unwritten(problem, self.cache))
+    self._stacked = _stacked_results(problem)
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""
@@ -311,8 +312,9 @@ class TableBuilder:
 
   def _resolved_users(self, v: int) -> bool:
     """Whether partial-or-not value v is reduced where it is made: some reader reads it
-    as made (not through a cut, not as a sum it absorbs), or it is a program output."""
-    return (v in self.p.graph.output_set
+    as made (not through a cut, not as a sum it absorbs), it is a program output, or a
+    scan body stacks it into a result (`_stacked_results`)."""
+    return (v in self.p.graph.output_set or v in self._stacked
             or any(self.p.read_dims(c, v) is None and not self.absorbs_partial(c, v)
                    for c in self.users.get(v, ())))
 
@@ -681,6 +683,19 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
                      trips * problem.view.weight.get(loop, 1)))
   return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
           for t, w in weighted if t is not None]
+
+
+def _stacked_results(problem: Problem) -> frozenset[int]:
+  """Body values a scan of the view stacks into its results, other than those a scan
+  cut delivers (`Problem.scan_cuts`, read False, which reduce their partial sums on the
+  way): each iteration's slice is reduced in the loop, as the compiler does (a scanned
+  stack's weight gradients under data parallelism, where gradient clipping reads the
+  stack and so no cut is seen)."""
+  g = problem.graph
+  cut = {inner for _, _, inner, read in problem.scan_cuts if not read}
+  return frozenset(inner for loop in problem.view.loops
+                   for outer, inner, shift in scan_bindings(g, g.ops[loop])
+                   if shift and outer in g.ops[loop].outputs and inner not in cut)
 
 
 def _activation_cut_copies(problem: Problem, builder: TableBuilder

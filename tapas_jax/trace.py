@@ -119,6 +119,10 @@ class Op:
       level (param name, jaxpr index, equation index) flattened.
     raw_params: the equation's own param values (jaxprs left out), for sharding rules
       that need dimension numbers and axes as objects rather than text.
+    barrier: which of the user's differentiated `jax.checkpoint` calls the op was
+      inlined from (1, 2, ...; 0: none). JAX lowers such a call behind an optimization
+      barrier on its operands, so the compiler gathers a sharded operand again for the
+      recomputation and backward inside it, rather than reusing the forward's gather.
   """
 
   index: int
@@ -133,6 +137,7 @@ class Op:
   site: tuple[Any, ...] = ()
   raw_params: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False,
                                                     repr=False)
+  barrier: int = dataclasses.field(default=0, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +500,7 @@ class _Walker:
     self._sig_cache: dict[tuple, str] = {}
     self._params_cache: dict[tuple, tuple[tuple[str, str], ...]] = {}
     self._stacks: dict[int, tuple[Any, str]] = {}
+    self._barrier, self._barriers = 0, 0  # the checkpoint call being inlined, and how many
 
   def new_value(self, atom: Any) -> int:
     key = jx.aval_of(atom)
@@ -542,7 +548,12 @@ class _Walker:
     body, consts = jx.open_jaxpr(jaxpr)
     inner_env: dict = dict(zip(body.invars, inputs))
     self._bind_consts(body, consts, inner_env)
+    outer = self._barrier
+    if jx.is_recompute_barrier(eqn):
+      self._barriers += 1
+      self._barrier = self._barriers
     self.walk(body, inner_env, region, stack, site + (key, idx))
+    self._barrier = outer
     for outer, inner in zip(eqn.outvars, body.outvars):
       env[outer] = self.read(inner_env, inner)
 
@@ -564,7 +575,7 @@ class _Walker:
                          inputs=inputs, outputs=outputs, name_stack=stack, region=region,
                          signature=self._signature(eqn.primitive.name, params, inputs,
                                                    outputs),
-                         subregions=tuple(subregions), site=site,
+                         subregions=tuple(subregions), site=site, barrier=self._barrier,
                          # jax's own dict (read, never written); copied only to leave
                          # out the jaxprs of an equation that has some
                          raw_params=eqn.params if not subs else {

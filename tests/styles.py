@@ -192,6 +192,7 @@ linen_remat_offload = _linen("linen_remat_offload", nn.remat(
         names_which_can_be_saved=["attention_out"], names_which_can_be_offloaded=["mlp_hidden"],
         offload_src="device", offload_dst="pinned_host")))
 linen_scan_remat = _linen("linen_scan_remat", nn.remat(_LinenBlock), scan=True)
+linen_plain = _linen("linen_plain", _LinenBlock)  # no remat: the reference for the above
 linen_inner_remat = _linen("linen_inner_remat", _LinenBlockInnerRemat)
 
 

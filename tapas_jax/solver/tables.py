@@ -674,8 +674,8 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
     if isinstance(side, str):
       w = copies.get((v, side), 1)
     else:
-      readers = [i for i in builder.users.get(v, ()) if problem.read_side(i, v) == side]
-      w = max((problem.view.weight.get(i, 1) for i in readers), default=1)
+      w = _gathers(problem, [i for i in builder.users.get(v, ())
+                             if problem.read_side(i, v) == side])
     weighted.append((builder.cut_table(v, side), w))
   for loop, outer, inner, read in problem.scan_cuts:  # once per iteration
     trips = scan_region(problem.graph, problem.graph.ops[loop]).trip_count
@@ -683,6 +683,19 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
                      trips * problem.view.weight.get(loop, 1)))
   return [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
           for t, w in weighted if t is not None]
+
+
+def _gathers(problem: Problem, readers: Sequence[int]) -> int:
+  """How many times a value is brought to `readers` through a cut: once for those
+  outside any of the user's checkpoints (the compiler shares one gather among them) and
+  once more for each checkpoint with readers inside, which reads it behind its own
+  optimization barrier (`Op.barrier`); a copy of a folded layer counts as its
+  representative's, once per copy (`View.weight`)."""
+  most: dict[int, int] = {}
+  for i in readers:
+    b = problem.graph.ops[i].barrier
+    most[b] = max(most.get(b, 1), problem.view.weight.get(i, 1))
+  return sum(most.values()) or 1
 
 
 def _stacked_results(problem: Problem) -> frozenset[int]:

@@ -219,6 +219,9 @@ class Facts:
       operands once, after the sum.
     moves: only moves its operand's elements (a transpose, a reshape): an all-reduce
       commutes with it.
+    selects: its result is some or all of its operand's elements, unchanged (a
+      slice, a squeeze): a weight gathered for it is gathered in the type its readers
+      take it in (a layer's slice of a stacked f32 kernel read by a dot: in bf16).
 
   Example:
     >>> from tapas_jax import rules  # registers the rules and their facts
@@ -237,6 +240,7 @@ class Facts:
   offset_params: tuple[str, ...] = ()
   sums: bool = False
   moves: bool = False
+  selects: bool = False
 
 
 DEFAULT_FACTS = Facts()

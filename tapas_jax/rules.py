@@ -140,6 +140,7 @@ IDENTITY = _COPIES + _IDENTITY
 _FUSES = Facts(fusible=True)
 _SUM = Facts(fusible=True, sums=True)
 _MOVE = Facts(fusible=True, moves=True)
+_SELECTS = Facts(fusible=True, selects=True)
 _FUSES_ONCE = Facts(fusible=True, expensive=True)
 _COSTLY_FACTS = Facts(fusible=True, expensive=True, costly=True)
 _COSTLY_NARROW_FACTS = Facts(fusible=True, expensive=True, costly_narrow=True)
@@ -371,7 +372,7 @@ def _transpose(params, ins, outs) -> OpRule:
   return f.rule([in_dims], [tuple(in_dims[p] for p in perm)])
 
 
-@register("squeeze", facts=_FUSES)
+@register("squeeze", facts=_SELECTS)
 def _squeeze(params, ins, outs) -> OpRule:
   rank = len(ins[0])
   gone = {_norm_axis(d, rank) for d in params["dimensions"]}
@@ -380,7 +381,7 @@ def _squeeze(params, ins, outs) -> OpRule:
   return f.rule([in_dims], [tuple(x for d, x in enumerate(in_dims) if d not in gone)])
 
 
-@register("expand_dims", facts=_FUSES)
+@register("expand_dims", facts=_SELECTS)
 def _expand_dims(params, ins, outs) -> OpRule:
   rank = len(outs[0])
   new = {_norm_axis(d, rank) for d in params["dimensions"]}
@@ -514,7 +515,7 @@ def _pad(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, padded, ins[0])
 
 
-@register("slice", facts=Facts(fusible=True,
+@register("slice", facts=Facts(fusible=True, selects=True,
                                   offset_params=("start_indices", "limit_indices")))
 def _slice(params, ins, outs) -> OpRule:
   """Dims the slice cuts (size changes) stay whole; the size check pins them."""
@@ -522,7 +523,7 @@ def _slice(params, ins, outs) -> OpRule:
   return _pass_except(ins, outs, [], ins[0])
 
 
-@register("dynamic_slice", facts=_FUSES)
+@register("dynamic_slice", facts=_SELECTS)
 @register("dynamic_update_slice", facts=_IN_PLACE)
 def _dynamic_slice(params, ins, outs) -> OpRule:
   """Dims where the slice (or update) is smaller than the operand stay whole."""

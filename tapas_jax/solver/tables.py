@@ -448,12 +448,13 @@ class TableBuilder:
 
 def _into_contractions(g, ops: Sequence[Op], depth: int = 4) -> bool:
   """Whether these readers are DEFAULT-precision contractions, or ops that only move
-  elements (`Facts.moves`) read only by such, a few deep."""
+  or select elements (`Facts.moves`, `Facts.selects`) read only by such, a few deep."""
   for op in ops:
     if ruleslib.default_precision_contraction(op):
       continue
     readers = [g.ops[c] for w in op.outputs for c in g.consumers.get(w, ())]
-    if not (depth and ruleslib.facts(op.primitive).moves and readers
+    facts = ruleslib.facts(op.primitive)
+    if not (depth and (facts.moves or facts.selects) and readers
             and _into_contractions(g, readers, depth - 1)):
       return False
   return True
@@ -670,12 +671,18 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
   # A pass over the whole program, the same for every builder of this view and cuts.
   copies = memo(builder.cache, "cut copies", (problem.graph, problem.view, problem.read_sides),
                 lambda: _activation_cut_copies(problem, builder))
+  # Inputs standing for a folded layer's copies of theirs (its parameters): the others
+  # (a stack every layer slices) are one value, gathered once however many copies read it.
+  standing = memo(builder.cache, "inputs standing", (problem.graph, problem.view),
+                  lambda: frozenset(problem.cv(i.value) for i in problem.graph.inputs
+                                    if problem.cv(i.value) != i.value))
   for v, side in problem.reader_dims:
     if isinstance(side, str):
       w = copies.get((v, side), 1)
     else:
       w = _gathers(problem, [i for i in builder.users.get(v, ())
-                             if problem.read_side(i, v) == side])
+                             if problem.read_side(i, v) == side],
+                   once=side is False and v not in standing)
     weighted.append((builder.cut_table(v, side), w))
   for loop, outer, inner, read in problem.scan_cuts:  # once per iteration
     trips = scan_region(problem.graph, problem.graph.ops[loop]).trip_count
@@ -685,16 +692,17 @@ def all_tables(problem: Problem, builder: TableBuilder) -> list[Table]:
           for t, w in weighted if t is not None]
 
 
-def _gathers(problem: Problem, readers: Sequence[int]) -> int:
+def _gathers(problem: Problem, readers: Sequence[int], once: bool) -> int:
   """How many times a value is brought to `readers` through a cut: once for those
   outside any of the user's checkpoints (the compiler shares one gather among them) and
   once more for each checkpoint with readers inside, which reads it behind its own
-  optimization barrier (`Op.barrier`); a copy of a folded layer counts as its
-  representative's, once per copy (`View.weight`)."""
+  optimization barrier (`Op.barrier`). Each of those once per copy of a folded layer
+  (`View.weight`: the value stands for each copy's own), or, `once`, once (one value
+  every copy reads)."""
   most: dict[int, int] = {}
   for i in readers:
     b = problem.graph.ops[i].barrier
-    most[b] = max(most.get(b, 1), problem.view.weight.get(i, 1))
+    most[b] = 1 if once else max(most.get(b, 1), problem.view.weight.get(i, 1))
   return sum(most.values()) or 1
 
 

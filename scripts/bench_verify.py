@@ -2,12 +2,16 @@
 compile; no TPU needed).
 
 The zoo at its tiny configs on a v5p:2x2x1 topology, and at its small ones
-(`models.SMALL`: real widths, two layers):
+(`models.SMALL`: real widths, two layers), or the train steps in other libraries'
+styles the tests use (flax linen and nnx remat, nn.scan, equinox-style pytrees, Keras-
+style layers, stacked parameters):
 
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --batch=8
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --zoo_config=small
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:4x4x4 --mesh=data:8,model:8 \
       --batch=64 --layouts=data_parallel,fsdp,megatron
+  JAX_PLATFORMS=cpu python scripts/bench_verify.py --styles=all --layers=4 \
+      --layouts=data_parallel,fsdp
 
 Each row: predicted and compiled memory, and bytes sent per device (predicted by the
 cost model; compiled: the TPU HLO's collectives by kind, counted as compiled). With
@@ -62,20 +66,15 @@ _SHORT = {"all-gather": "ag", "all-reduce": "ar", "reduce-scatter": "rs", "all-t
 
 
 def zoo(a, mesh):
-  print(f"jax {jax.__version__}; zoo at {a.zoo_config}; topology {a.topology}; mesh {mesh}; "
+  what = f"styles at {a.layers} layers" if a.styles else f"zoo at {a.zoo_config}"
+  print(f"jax {jax.__version__}; {what}; topology {a.topology}; mesh {mesh}; "
         f"batch {a.batch}; profile {a.device}; state layouts {a.state_layouts}")
   print("| model | layout | predicted MiB | compiled MiB (args + temp + out - alias) | "
         "pred / comp | live MiB | pred / live | predicted sent KiB | compiled sent KiB ("
         + ", ".join(_SHORT.values()) + ") | sent pred / comp | compile s |"
         + (" dump's peak MiB | pred / dump's |" if a.dumps else ""))
   print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.dumps else ""))
-  families = a.families or ",".join(models.SMALL if a.zoo_config == "small"
-                                    else models.FAMILIES)
-  for family in families.split(","):
-    config, trimmed = (models.SMALL[family] if a.zoo_config == "small"
-                       else (a.zoo_config, {}))
-    m = models.get_model(family, config, **trimmed)
-    args = (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
+  for family, args in _programs(a):
     for layout in a.layouts.split(","):
       try:
         plan = _plan(layout, args, mesh, family, a.device)
@@ -103,6 +102,26 @@ def zoo(a, mesh):
             f"{f' ({kinds})' if kinds else ''} | "
             f"{r.predicted_comm_bytes / sent if sent else float('nan'):.2f} | "
             f"{r.compile_s:.1f} |{dumped}", flush=True)
+
+
+def _programs(a):
+  """(name, (step, *args)) of the zoo's models, or of the library styles (`--styles`)."""
+  if a.styles:
+    import sys  # noqa: PLC0415 - the styles live with the tests
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import styles  # noqa: PLC0415
+    names = list(styles.STYLES) if a.styles == "all" else a.styles.split(",")
+    for name in names:
+      p = styles.STYLES[name](a.layers)
+      yield name, (p.step, p.state, p.batch)
+    return
+  families = a.families or ",".join(models.SMALL if a.zoo_config == "small"
+                                    else models.FAMILIES)
+  for family in families.split(","):
+    config, trimmed = (models.SMALL[family] if a.zoo_config == "small"
+                       else (a.zoo_config, {}))
+    m = models.get_model(family, config, **trimmed)
+    yield family, (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
 
 
 def real(a, mesh):
@@ -184,6 +203,9 @@ def main():
   p.add_argument("--zoo_config", default="tiny",
                  help="the zoo's config: 'tiny', or 'small' (models.SMALL: real widths, "
                  "two layers)")
+  p.add_argument("--styles", default=None,
+                 help="instead of the zoo, these train steps in library styles "
+                 "(tests/styles.py; 'all'), at --layers layers")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--per_device_batch", type=int, default=3)

@@ -91,7 +91,8 @@ class TableBuilder:
     # The same for every builder over this program and view.
     self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
                                      lambda: _dead_and_unwritten(problem, self.cache))
-    self._stacked = _stacked_results(problem)
+    self._stacked = memo(self.cache, "stacked", (g, problem.view, problem.scan_cuts),
+                         lambda: _stacked_results(problem))
 
   def _src(self, v: int):
     """(per-dim class or None, partial classes) of a value as it arrives."""

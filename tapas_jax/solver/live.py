@@ -28,7 +28,7 @@ from tapas_jax.solver.live_program import (Entries, LiveProgram, live_program,
                                             readers_through)
 from tapas_jax.solver.template import Reach, mapped_entries, merge
 from tapas_jax.solver.update_reads import UpdateReads
-from tapas_jax.solver.views import scan_region
+from tapas_jax.solver.views import scan_bindings, scan_region
 
 __all__ = ["Activations", "activations", "loop_body_values"]
 
@@ -461,35 +461,85 @@ def _narrowed(problem: Problem, prog: LiveProgram, entries: Entries) -> set[int]
   (`DeviceProfile.stores_dot_operands_in_bf16`), a value read only by such
   contractions (directly, or through values fused into them, as a
   projection's bias add) is converted as it is made and only the bf16 copy is kept
-  (the tiny zoo's queries, keys and values on the TPU compiler: bf16 buffers). Of a
+  (the tiny zoo's queries, keys and values on the TPU compiler: bf16 buffers); so is a
+  stack a loop scans into such contractions (a scanned layer stack's residuals). Of a
   program input, only its gathered copy, which the compute reads and the update does
   not."""
   if not problem.profile.stores_dot_operands_in_bf16:
     return set()
   g, inputs = problem.graph, {i.value for i in problem.graph.inputs}
-  by_contractions = functools.lru_cache(maxsize=None)(lambda v: _read_by_contractions(prog, v))
+  bodies: dict = {}  # loop body -> its live ops and fused values, made once
+  by_contractions = functools.lru_cache(maxsize=None)(
+      lambda v: _read_by_contractions(problem, prog, v, bodies))
   return {k for k, v in enumerate(entries.values)
           if g.types[v].dtype == "float32"
           and (v not in inputs or entries.stored[k] is not None) and by_contractions(v)}
 
 
-def _read_by_contractions(prog: LiveProgram, v: int) -> bool:
+def _read_by_contractions(problem: Problem, prog: LiveProgram, v: int, bodies: dict
+                          ) -> bool:
   """Whether every live reader of v outside the state update is a DEFAULT-precision
   contraction, looking through the values its readers make that are fused into
   theirs (never written out). A value made inside the program and read by the update
   is not."""
   g, dots = prog.graph, 0
-  for _, op in readers_through(
+  for x, op in readers_through(
       prog, v,
       # The update of an input reads the stored input, not a copy; a reduction inside
       # the fusion making x reads it there, before it is written.
       skip=lambda c, x: (c in prog.update and x in g.input_path) or c in prog.side_reductions,
       through=lambda op: (not ruleslib.default_precision_contraction(op) and op.outputs
                           and all(w in prog.fused for w in op.outputs))):
-    if not ruleslib.default_precision_contraction(op):
+    if not (ruleslib.default_precision_contraction(op)
+            or _scanned_into_contractions(problem, op, x, bodies)):
       return False
     dots += 1
   return dots > 0
+
+
+def _scanned_into_contractions(problem: Problem, loop, x: int, bodies: dict) -> bool:
+  """Whether a counted loop scans x (a stack: one slice per iteration) into a body that
+  reads each slice only with DEFAULT-precision contractions, looking through what the
+  body fuses into them. The compiler then stacks x in bf16, converting each slice as
+  the loop making x writes it: a scanned layer stack's residuals the backward loop's
+  dots read (TPU compiler, an equinox LM scanned over 4 layers on v5p:2x2x1: the
+  queries, keys, values, attention probabilities and norm outputs stacked as bf16)."""
+  g = problem.graph
+  region = scan_region(g, loop)
+  inner = [] if region is None else [
+      i for o, i, shift in scan_bindings(g, loop) if o == x and shift == 1]
+  if not inner or any(i in region.outputs for i in inner):
+    return False
+  if region.index not in bodies:
+    bodies[region.index] = _body_fusion(problem, region.index, tuple(region.outputs))[1:]
+  live, fused = bodies[region.index]
+  dots = 0
+  todo, seen = list(inner), set(inner)
+  while todo:
+    for c in g.consumers.get(todo.pop(), ()):
+      op = g.ops[c]
+      if op.region != region.index or c not in live:
+        continue
+      if ruleslib.default_precision_contraction(op):
+        dots += 1
+      elif op.outputs and all(w in fused for w in op.outputs):
+        todo.extend(w for w in op.outputs if w not in seen)
+        seen.update(op.outputs)
+      else:
+        return False
+  return dots > 0
+
+
+def _body_fusion(problem: Problem, region: int, kept: tuple[int, ...]
+                 ) -> tuple[list, set[int], set[int]]:
+  """(ops, live op indices, fused values) of a loop body whose iteration writes out
+  `kept` of its outputs, fused as `problem.profile`'s compiler fuses it."""
+  g = problem.graph
+  body = list(g.region_ops(region))
+  live = live_ops(g, body, kept)
+  return body, live, fused_values(g, body, live, kept,
+                                  reductions_duplicate=problem.profile.reductions_duplicate,
+                                  dot_operands=problem.profile.dot_operand_fusion)
 
 
 def _combined(g, gradients, pos, threshold: float, end: int,
@@ -585,13 +635,9 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   region = scan_region(g, rep)
   if region is None:
     return []
-  body = list(g.region_ops(region.index))
   gone = set(dropped)
   kept = [v for s, v in enumerate(region.outputs) if s not in gone]
-  live = live_ops(g, body, kept)
-  fused = fused_values(g, body, live, kept,
-                      reductions_duplicate=problem.profile.reductions_duplicate,
-                      dot_operands=problem.profile.dot_operand_fusion)
+  body, live, fused = _body_fusion(problem, region.index, tuple(kept))
   out, span = [], []
   pos = {o.index: j for j, o in enumerate(body)}
   outputs = set(kept)

@@ -13,12 +13,13 @@ import optax
 import pytest
 
 import tapas_jax as tapas
-from tapas_jax import api, baselines, cost, measure, models, rules, trace
+from tapas_jax import api, baselines, cost, measure, models, rules, solver, trace
 from tapas_jax.solver import build_problem, experts, fusion, memory, remat
 from tapas_jax.solver.tables import evaluate_tables
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 verifylib = importlib.import_module("tapas_jax.verify")  # tapas.verify is the function
+solver_solve = importlib.import_module("tapas_jax.solver.solve")  # solver.solve: the function
 
 MESH = {"data": 2, "model": 4}
 F32 = jnp.float32
@@ -1035,3 +1036,20 @@ def test_the_memory_floor_is_under_every_plans_memory(family, device, policy):
   used = [memory.memory_used(p, acts, tables, a)[0] for a in plans]
   assert floor <= min(used) * (1 + 1e-12)
   assert floor >= 0.5 * min(used)
+
+
+def test_the_largest_live_values_name_a_stacked_inputs_slice_in_the_loop():
+  # FSDP over a scanned stack gathers each iteration's slice of a stacked kernel inside
+  # the loop; the peak's listing (and so an infeasible budget's message) names it so,
+  # not as a rematerialised carry (there is no remat here).
+  # Wide kernels, few tokens: the peak is in the backward loop, beside a gathered slice.
+  m = models.get_model("llama", "tiny", num_layers=2, scan_layers=True, d_model=512,
+                       d_ff=2048, num_heads=4, num_kv_heads=4)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(2))
+  problem = api.prepare(args[0], args[1:], mesh={"data": 2, "model": 2},
+                        device="tpu-v5p").problem
+  layout = solver.layout_choice(problem, batch_axes=("data", "model"), fsdp=True)
+  acts = solver_solve.cached_activations(problem, None)
+  text = memory.largest_live(problem, acts, layout.choice, top=100)
+  assert "a stacked input's slice for one iteration" in text, text
+  assert "stacked for its recomputation" not in text, text

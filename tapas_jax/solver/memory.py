@@ -255,12 +255,15 @@ def largest_live(problem: Problem, acts: Activations, choice, top: int = 3) -> s
   per_device = _per_device(problem, acts, choice)
   live = np.flatnonzero((acts.start <= at) & (acts.stop >= at))
   g = problem.graph
+  sliced = {inner for _, _, inner, read in problem.scan_cuts if read}
   rows = []
   for k in live[np.argsort(-per_device[live])][:top]:
     v = acts.values[k]
     if v in g.producer:
       op = g.ops[g.producer[v]]
       what = f"{op.name_stack or '(top)'}/{op.primitive}"
+    elif v in sliced:  # a scan cut's: one layer's slice of a stacked input
+      what = "a stacked input's slice for one iteration, in the loop's layout"
     elif v not in g.input_path:  # a loop body's input, written out per iteration
       what = "a scanned stack's carry, stacked for its recomputation"
     elif acts.unless_of(k):

@@ -169,6 +169,14 @@ class DeviceProfile:
       value's, as for every activation. BENCHMARKS.md "The convolution's own layout".
     buffer_granule_bytes: the size every buffer is rounded up to (TPU: 512 bytes, the
       smallest array it allocates, f32[1] or int8[2,3,5] alike).
+    stacks_in_place: whether a loop body's slice that the loop stacks into a result
+      goes into its stack as it is made (the dynamic-update-slice in place, an
+      elementwise producer read by nothing else, such as a transposed weight gradient,
+      computed in the write), rather than held to the iteration's end. The TPU compiler
+      does (libtpu 0.0.50.1, the small ViT under `nn.scan`: its backward loop holds no
+      gradient slice past the write; BENCHMARKS.md "A scanned stack's loop writes its
+      gradients into their stacks"); XLA:CPU is modelled without it (a scanned tiny
+      LLaMA at 2 layers would be 0.86 of XLA:CPU's figure with it).
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -202,6 +210,7 @@ class DeviceProfile:
   memory_tile: tuple[int, int] = ()
   buffer_granule_bytes: int = 1
   copies_conv_inputs: bool = False
+  stacks_in_place: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -221,7 +230,7 @@ _TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
 _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
                     stores_dot_operands_in_bf16=True, copies_donated_inputs=False,
-                    copies_conv_inputs=True)
+                    copies_conv_inputs=True, stacks_in_place=True)
 # How the TPU compiler orders the backward (the field's doc): the same on every generation.
 _TPU_SCHEDULE = dict(glue_gradients_last=True)
 
@@ -422,7 +431,7 @@ _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_dupl
                     "reduce_scatter_as_all_reduce",
                     "gathers_dot_operands_in_bf16", "reassociates_all_reduces",
                     "memory_tile", "buffer_granule_bytes", "stores_dot_operands_in_bf16",
-                    "copies_conv_inputs")
+                    "copies_conv_inputs", "stacks_in_place")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

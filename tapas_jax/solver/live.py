@@ -462,15 +462,23 @@ def _narrowed(problem: Problem, prog: LiveProgram, entries: Entries) -> set[int]
   contractions (directly, or through values fused into them, as a
   projection's bias add) is converted as it is made and only the bf16 copy is kept
   (the tiny zoo's queries, keys and values on the TPU compiler: bf16 buffers); so is a
-  stack a loop scans into such contractions (a scanned layer stack's residuals). Of a
-  program input, only its gathered copy, which the compute reads and the update does
-  not."""
+  stack a loop scans into such contractions (a scanned layer stack's residuals), and,
+  inside a loop's body, a value its body reads so (a stacked kernel's slice gathered
+  for one layer). Of a program input, only its gathered copy, which the compute reads
+  and the update does not."""
   if not problem.profile.stores_dot_operands_in_bf16:
     return set()
   g, inputs = problem.graph, {i.value for i in problem.graph.inputs}
   bodies: dict = {}  # loop body -> its live ops and fused values, made once
-  by_contractions = functools.lru_cache(maxsize=None)(
-      lambda v: _read_by_contractions(problem, prog, v, bodies))
+  body_of = {v: r.index for r in g.regions[1:] for v in r.inputs}
+
+  @functools.lru_cache(maxsize=None)
+  def by_contractions(v):
+    region = g.ops[g.producer[v]].region if v in g.producer else body_of.get(v, 0)
+    if region:
+      return (v not in g.regions[region].outputs
+              and _body_reads_by_contractions(problem, region, [v], bodies))
+    return _read_by_contractions(problem, prog, v, bodies)
   return {k for k, v in enumerate(entries.values)
           if g.types[v].dtype == "float32"
           and (v not in inputs or entries.stored[k] is not None) and by_contractions(v)}
@@ -480,8 +488,8 @@ def _read_by_contractions(problem: Problem, prog: LiveProgram, v: int, bodies: d
                           ) -> bool:
   """Whether every live reader of v outside the state update is a DEFAULT-precision
   contraction, looking through the values its readers make that are fused into
-  theirs (never written out). A value made inside the program and read by the update
-  is not."""
+  theirs (never written out), or a loop scanning v into a body that reads it so. A
+  value made inside the program and read by the update is not."""
   g, dots = prog.graph, 0
   for x, op in readers_through(
       prog, v,
@@ -499,26 +507,34 @@ def _read_by_contractions(problem: Problem, prog: LiveProgram, v: int, bodies: d
 
 def _scanned_into_contractions(problem: Problem, loop, x: int, bodies: dict) -> bool:
   """Whether a counted loop scans x (a stack: one slice per iteration) into a body that
-  reads each slice only with DEFAULT-precision contractions, looking through what the
-  body fuses into them. The compiler then stacks x in bf16, converting each slice as
-  the loop making x writes it: a scanned layer stack's residuals the backward loop's
-  dots read (TPU compiler, an equinox LM scanned over 4 layers on v5p:2x2x1: the
-  queries, keys, values, attention probabilities and norm outputs stacked as bf16)."""
+  reads each slice only with DEFAULT-precision contractions. The compiler then stacks x
+  in bf16, converting each slice as the loop making x writes it: a scanned layer
+  stack's residuals the backward loop's dots read (TPU compiler, an equinox LM scanned
+  over 4 layers on v5p:2x2x1: the queries, keys, values, attention probabilities and
+  norm outputs stacked as bf16)."""
   g = problem.graph
   region = scan_region(g, loop)
   inner = [] if region is None else [
       i for o, i, shift in scan_bindings(g, loop) if o == x and shift == 1]
-  if not inner or any(i in region.outputs for i in inner):
-    return False
-  if region.index not in bodies:
-    bodies[region.index] = _body_fusion(problem, region.index, tuple(region.outputs))[1:]
-  live, fused = bodies[region.index]
+  return bool(inner) and not any(i in region.outputs for i in inner) and \
+      _body_reads_by_contractions(problem, region.index, inner, bodies)
+
+
+def _body_reads_by_contractions(problem: Problem, region: int, values: Sequence[int],
+                                bodies: dict) -> bool:
+  """Whether a loop body reads `values` only with DEFAULT-precision contractions,
+  looking through what the body fuses into them (`bodies`: region -> its live ops and
+  fused values, filled as asked)."""
+  g = problem.graph
+  if region not in bodies:
+    bodies[region] = _body_fusion(problem, region, g.regions[region].outputs)[1:]
+  live, fused = bodies[region]
   dots = 0
-  todo, seen = list(inner), set(inner)
+  todo, seen = list(values), set(values)
   while todo:
     for c in g.consumers.get(todo.pop(), ()):
       op = g.ops[c]
-      if op.region != region.index or c not in live:
+      if op.region != region or c not in live:
         continue
       if ruleslib.default_precision_contraction(op):
         dots += 1
@@ -625,7 +641,9 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
                       ) -> list[tuple[int, tuple]]:
   """(value, classes as made) of what one iteration of a counted loop writes out and
   holds at the body's own peak (whole bytes, in body order: each value from the op
-  making it to its last reader in the body, the body's outputs to its end), counted
+  making it to its last reader in the body, the body's outputs to its end, or, where
+  the compiler writes a stacked slice into its stack as it is made
+  (`DeviceProfile.stacks_in_place`), only the carries), counted
   live together while the loop runs (the blocks of a chunked attention's scores; a
   scanned layer's activations). A copy of a layer the view folds away is costed as
   its representative's loop. `dropped`: output slots the loop no longer writes (a
@@ -640,13 +658,22 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   body, live, fused = _body_fusion(problem, region.index, tuple(kept))
   out, span = [], []
   pos = {o.index: j for j, o in enumerate(body)}
-  outputs = set(kept)
+  # Where the compiler writes a slice the loop stacks into a result into its stack as
+  # it is made (`stacks_in_place`), only a carry, or an output bound to nothing known,
+  # is held to the body's end.
+  stacked = ({inner for outer, inner, shift in scan_bindings(g, rep)
+              if shift == 1 and outer in rep.outputs}
+             if problem.profile.stacks_in_place else set())
+  outputs = set(kept) - stacked
   for j, o in enumerate(body):
     rule = problem.rules.get(o.index)
     if rule is None or o.index not in live:
       continue
+    # Read by nothing else, it is computed in the stack's write (a transposed gradient).
+    into_stack = ruleslib.facts(o.primitive).fusible
     for slot, v in enumerate(o.outputs):
       if (v in fused or not g.types[v].shape
+          or (into_stack and v in stacked and not any(c in pos for c in g.consumers.get(v, ())))
           or (problem.cv(v), 0) not in problem.value_class):
         continue
       out.append((v, tuple(None if f is None else problem.vclass(v, d)

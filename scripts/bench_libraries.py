@@ -112,9 +112,8 @@ def library_case(name: str, layers: int, width: int, seq: int, vocab: int, batch
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
   import libraries_test as lt  # noqa: PLC0415 - a test module, on the path only here
 
-  # Its sizes are module constants, read when a model is built.
-  lt.V, lt.S, lt.D, lt.B, lt.LAYERS = vocab, seq, width, batch, layers
-  return next(make for case, make, _ in lt.CASES if case == name)()
+  return lt.program(name, lt.Sizes(vocab=vocab, seq=seq, width=width, batch=batch,
+                                   layers=layers))
 
 
 def main():

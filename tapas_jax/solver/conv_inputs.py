@@ -54,7 +54,7 @@ def _conv_readers(prog: LiveProgram, v: int) -> list[int]:
   """Positions of the live top-level convolutions reading v as their input, directly
   or through converts fused into them."""
   return sorted({prog.pos[op.index] for x, op in readers_through(
-      prog, v, skip=lambda c, x: c not in prog.pos or c in prog.update,
+      prog.graph, prog.live, [v], skip=lambda c, x: c not in prog.pos or c in prog.update,
       through=lambda op: (op.primitive == "convert_element_type"
                           and op.outputs[0] in prog.fused))
       if op.primitive == "conv_general_dilated" and op.inputs[0] == x})

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -134,7 +134,8 @@ def top_level(graph: Graph, cache: dict | None = None, *, reductions_duplicate: 
 def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
                  outputs: Sequence[int] | None = None, *,
                  reductions_duplicate: bool = True, dot_operands: bool = False,
-                 copies: Sequence[Copies] = ()) -> set[int]:
+                 copies: Sequence[Copies] = (), stack_writes: Collection[int] = ()
+                 ) -> set[int]:
   """Values XLA computes inside their readers' fusions and never writes out.
 
   A fusible op's result is fused into its readers when every live reader is a fusion
@@ -177,6 +178,11 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   `copies` (the top level's only: a folded view's `View.copies`): a copy's value read
   only inside its instance is decided as its representative's is (`_mapped`), without
   walking its op; the same set.
+
+  `stack_writes` (a loop body's only): its outputs the compiler writes into the stacks
+  of its scan's results as they are made (`DeviceProfile.stacks_in_place`). A fusible
+  op's value among them that nothing in the body reads is computed in that write (a
+  transposed weight gradient), never written on its own.
   """
   # Read off whole programs; inside a loop body the compiler was not seen to do it.
   top_level_program = outputs is None
@@ -207,6 +213,8 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
       continue
     for v in op.outputs:
       if v in outputs:
+        if v in stack_writes and not consumers.get(v) and not one_hot:
+          out.add(v)
         continue
       readers = [ops[c] for c in consumers.get(v, ()) if c in live]
       if not (readers

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from tapas_jax.solver.live_program import (Entries, LiveProgram, live_program,
 from tapas_jax.solver.template import Reach, mapped_entries, merge
 from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_bindings, scan_region
+from tapas_jax.trace import Op
 
 __all__ = ["Activations", "activations", "loop_body_values"]
 
@@ -490,19 +491,16 @@ def _read_by_contractions(problem: Problem, prog: LiveProgram, v: int, bodies: d
   contraction, looking through the values its readers make that are fused into
   theirs (never written out), or a loop scanning v into a body that reads it so. A
   value made inside the program and read by the update is not."""
-  g, dots = prog.graph, 0
-  for x, op in readers_through(
-      prog, v,
-      # The update of an input reads the stored input, not a copy; a reduction inside
-      # the fusion making x reads it there, before it is written.
-      skip=lambda c, x: (c in prog.update and x in g.input_path) or c in prog.side_reductions,
-      through=lambda op: (not ruleslib.default_precision_contraction(op) and op.outputs
-                          and all(w in prog.fused for w in op.outputs))):
-    if not (ruleslib.default_precision_contraction(op)
-            or _scanned_into_contractions(problem, op, x, bodies)):
-      return False
-    dots += 1
-  return dots > 0
+  g = prog.graph
+  return _only_contractions(
+      readers_through(
+          g, prog.live, [v],
+          # The update of an input reads the stored input, not a copy; a reduction inside
+          # the fusion making x reads it there, before it is written.
+          skip=lambda c, x: ((c in prog.update and x in g.input_path)
+                             or c in prog.side_reductions),
+          through=_fused_into(prog.fused)),
+      also=lambda op, x: _scanned_into_contractions(problem, op, x, bodies))
 
 
 def _scanned_into_contractions(problem: Problem, loop, x: int, bodies: dict) -> bool:
@@ -529,33 +527,42 @@ def _body_reads_by_contractions(problem: Problem, region: int, values: Sequence[
   if region not in bodies:
     bodies[region] = _body_fusion(problem, region, g.regions[region].outputs)[1:]
   live, fused = bodies[region]
+  return _only_contractions(readers_through(
+      g, live, values, skip=lambda c, x: g.ops[c].region != region,
+      through=_fused_into(fused)))
+
+
+def _fused_into(fused: Collection[int]) -> Callable[[Op], bool]:
+  """Whether a reader is looked through on the way to the contractions: not one
+  itself, and each value it makes is fused into its readers (never written)."""
+  return lambda op: (not ruleslib.default_precision_contraction(op) and bool(op.outputs)
+                     and all(w in fused for w in op.outputs))
+
+
+def _only_contractions(readers: Iterable[tuple[int, Op]],
+                       also: Callable[[Op, int], bool] = lambda op, x: False) -> bool:
+  """Whether there is a reader, and each is a DEFAULT-precision contraction (or one
+  `also` takes)."""
   dots = 0
-  todo, seen = list(values), set(values)
-  while todo:
-    for c in g.consumers.get(todo.pop(), ()):
-      op = g.ops[c]
-      if op.region != region or c not in live:
-        continue
-      if ruleslib.default_precision_contraction(op):
-        dots += 1
-      elif op.outputs and all(w in fused for w in op.outputs):
-        todo.extend(w for w in op.outputs if w not in seen)
-        seen.update(op.outputs)
-      else:
-        return False
+  for x, op in readers:
+    if not (ruleslib.default_precision_contraction(op) or also(op, x)):
+      return False
+    dots += 1
   return dots > 0
 
 
-def _body_fusion(problem: Problem, region: int, kept: tuple[int, ...]
-                 ) -> tuple[list, set[int], set[int]]:
+def _body_fusion(problem: Problem, region: int, kept: tuple[int, ...],
+                 stack_writes: Collection[int] = ()) -> tuple[list, set[int], set[int]]:
   """(ops, live op indices, fused values) of a loop body whose iteration writes out
-  `kept` of its outputs, fused as `problem.profile`'s compiler fuses it."""
+  `kept` of its outputs (`stack_writes` of them into its scan's stacks, as made), fused
+  as `problem.profile`'s compiler fuses it."""
   g = problem.graph
   body = list(g.region_ops(region))
   live = live_ops(g, body, kept)
   return body, live, fused_values(g, body, live, kept,
                                   reductions_duplicate=problem.profile.reductions_duplicate,
-                                  dot_operands=problem.profile.dot_operand_fusion)
+                                  dot_operands=problem.profile.dot_operand_fusion,
+                                  stack_writes=stack_writes)
 
 
 def _combined(g, gradients, pos, threshold: float, end: int,
@@ -655,25 +662,22 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
     return []
   gone = set(dropped)
   kept = [v for s, v in enumerate(region.outputs) if s not in gone]
-  body, live, fused = _body_fusion(problem, region.index, tuple(kept))
-  out, span = [], []
-  pos = {o.index: j for j, o in enumerate(body)}
   # Where the compiler writes a slice the loop stacks into a result into its stack as
   # it is made (`stacks_in_place`), only a carry, or an output bound to nothing known,
   # is held to the body's end.
   stacked = ({inner for outer, inner, shift in scan_bindings(g, rep)
               if shift == 1 and outer in rep.outputs}
              if problem.profile.stacks_in_place else set())
+  body, live, fused = _body_fusion(problem, region.index, tuple(kept), stacked)
+  out, span = [], []
+  pos = {o.index: j for j, o in enumerate(body)}
   outputs = set(kept) - stacked
   for j, o in enumerate(body):
     rule = problem.rules.get(o.index)
     if rule is None or o.index not in live:
       continue
-    # Read by nothing else, it is computed in the stack's write (a transposed gradient).
-    into_stack = ruleslib.facts(o.primitive).fusible
     for slot, v in enumerate(o.outputs):
       if (v in fused or not g.types[v].shape
-          or (into_stack and v in stacked and not any(c in pos for c in g.consumers.get(v, ())))
           or (problem.cv(v), 0) not in problem.value_class):
         continue
       out.append((v, tuple(None if f is None else problem.vclass(v, d)

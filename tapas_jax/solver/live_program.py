@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Collection, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -169,19 +169,21 @@ class Entries:
     return len(self.start) - 1
 
 
-def readers_through(prog: LiveProgram, v: int, skip: Callable[[int, int], bool],
-                    through: Callable[[Op], bool]) -> Iterator[tuple[int, Op]]:
-  """(value read, reader) for each live reader of v, looking through the readers
-  `through` holds for (whose results are taken as read instead, each once); `skip(c,
-  x)`: reader c of x is not counted (nor looked through)."""
-  g = prog.graph
-  todo, seen = [v], {v}
+def readers_through(graph: Graph, live: Collection[int], values: Iterable[int],
+                    skip: Callable[[int, int], bool], through: Callable[[Op], bool]
+                    ) -> Iterator[tuple[int, Op]]:
+  """(value read, reader) for each reader in `live` (op indices) of `values`, looking
+  through the readers `through` holds for (whose results are taken as read instead,
+  each once); `skip(c, x)`: reader c of x is not counted (nor looked through). Walks a
+  program's live set (`LiveProgram.live`) or a loop body's."""
+  todo = list(values)
+  seen = set(todo)
   while todo:
     x = todo.pop()
-    for c in g.consumers.get(x, ()):
-      if c not in prog.live or skip(c, x):
+    for c in graph.consumers.get(x, ()):
+      if c not in live or skip(c, x):
         continue
-      op = g.ops[c]
+      op = graph.ops[c]
       if through(op):
         todo.extend(w for w in op.outputs if w not in seen)
         seen.update(op.outputs)

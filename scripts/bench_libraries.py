@@ -8,6 +8,11 @@ TPU compiler.
   `tests/libraries_test.py` (equinox's `eqx.nn` modules, its blocks stacked by
   `eqx.filter_vmap` and run by `lax.scan`; Keras 3 functional models through
   `stateless_call`) at the width, sequence, vocabulary and batch given here.
+* `--model=pallas_attention`, `shard_map_attention`: an attention layer whose attention
+  runs inside a `jax.shard_map` (batch on data, heads on model) on the topology's mesh
+  (`tapas.tpu_mesh`), as TPU users run a Pallas kernel: Pallas' TPU flash attention, or
+  the same softmax attention in XLA ops (`tests/styles.py`); `--width` is the heads'
+  total width (128 per head), `--vocab` unused.
 
 Each layout (our search, or a baseline, `fsdp:nothing_saveable` naming its remat) is
 planned with the TPU profile of the topology's generation (our cost model), compiled
@@ -19,6 +24,7 @@ the test extra for equinox and Keras).
       --model=equinox_scan --width=512 --seq=512 --vocab=8192 --batch=16 --layers=4
   ... --model=gemma --layers=18 --topology=v5p:2x2x2 --mesh=data=8 \\
       --layouts=tapas,fsdp:nothing_saveable
+  ... --model=pallas_attention --width=512 --seq=512 --batch=8 --layouts=tapas,fsdp
 """
 
 import argparse
@@ -107,6 +113,26 @@ def gemma(layers: int, width: int, seq: int, vocab: int, batch: int):
                                                             "targets": tokens}
 
 
+def shard_mapped(name: str, topology: str, mesh: dict, width: int, seq: int, batch: int):
+  """(step, state, x) of `tests/styles.py`'s shard_mapped attention on the topology's
+  mesh, abstract: Pallas' flash attention inside (`pallas_attention`), or XLA ops."""
+  import jax  # noqa: PLC0415 - after the environment is set
+
+  import tapas_jax as tapas  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  import styles  # noqa: PLC0415 - a test helper, on the path only here
+
+  kernel = None
+  if name == "pallas_attention":
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
+    def kernel(q, k, v):
+      return fa.flash_attention(q, k, v, causal=True)
+  step, state, x = styles.shard_mapped_attention(
+      tapas.tpu_mesh(topology, mesh), attention=kernel, batch=batch, seq=seq,
+      heads=width // 128, head_dim=128, width=width)
+  return (step,) + jax.eval_shape(lambda *a: a, state, x)
+
+
 def library_case(name: str, layers: int, width: int, seq: int, vocab: int, batch: int):
   """(step, state, batch) of a `tests/libraries_test.py` program at these sizes."""
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -119,7 +145,8 @@ def library_case(name: str, layers: int, width: int, seq: int, vocab: int, batch
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="equinox_scan",
-                      help="gemma, equinox, equinox_scan, keras_transformer, keras_cnn")
+                      help="gemma, equinox, equinox_scan, keras_transformer, keras_cnn, "
+                      "pallas_attention, shard_map_attention")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--width", type=int, default=None,
                       help="default: 2048 for gemma, 512 for the others")
@@ -138,8 +165,12 @@ def main():
   sizes = dict(layers=a.layers, width=a.width or (2048 if big else 512),
                seq=a.seq or (2048 if big else 512), vocab=a.vocab or (256000 if big else 8192),
                batch=a.batch or (32 if big else 16))
-  step, state, batch = gemma(**sizes) if big else library_case(a.model, **sizes)
   mesh = {k: int(v) for k, v in (kv.split("=") for kv in a.mesh.split(","))}
+  if a.model.endswith("_attention"):
+    step, state, batch = shard_mapped(a.model, a.topology, mesh, sizes["width"],
+                                      sizes["seq"], sizes["batch"])
+  else:
+    step, state, batch = gemma(**sizes) if big else library_case(a.model, **sizes)
   device = cost.profile_for_topology(a.topology)
   print(f"{a.model} {sizes}, mesh {mesh}, {a.topology}; predicted by our {device} profile, "
         "compiled by libtpu")

@@ -33,7 +33,7 @@ from tapas_jax.plan import Plan, PlanStats
 from tapas_jax.shard import shard
 from tapas_jax.solver import InfeasibleBudgetError
 from tapas_jax.trace import Graph, TraceError
-from tapas_jax.verify import Verified, verify
+from tapas_jax.verify import Verified, tpu_mesh, verify
 
 if TYPE_CHECKING:
   from tapas_jax import models
@@ -60,6 +60,7 @@ __all__ = [
     "remat_policy",
     "search",
     "shard",
+    "tpu_mesh",
     "trace",
     "verify",
 ]

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 from typing import Any, Iterator, Mapping
@@ -275,12 +277,17 @@ def make_jaxpr(fn: Any, *args: Any) -> tuple[Any, Any]:
 
 
 def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
-  """Evaluates one equation on values (tracers or arrays), as `jax.core.eval_jaxpr` does."""
+  """Evaluates one equation on values (tracers or arrays), as `jax.core.eval_jaxpr` does;
+  inside `shard_maps_on(mesh)`, a `jax.shard_map` traced on another mesh is refused
+  with the fix."""
   bound = eqn.primitive.get_bind_params(eqn.params)
   if isinstance(bound, tuple):  # jax < 0.10: (subfuns, params)
     subfuns, params = bound
   else:  # jax >= 0.10: params, sub-functions among them
     subfuns, params = (), bound
+  run_mesh = _RUN_MESH.get()
+  if run_mesh is not None and shard_map_specs(eqn.params) is not None:
+    _check_shard_map_mesh(eqn.params["mesh"], run_mesh)
   ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
   if ctx is None:
     out = eqn.primitive.bind(*subfuns, *invals, **params)
@@ -288,6 +295,88 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
     with ctx:
       out = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- jax.shard_map -----------------------------------------------------------------
+
+_RUN_MESH: contextvars.ContextVar = contextvars.ContextVar("tapas_run_mesh", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualSpecs:
+  """The layouts a `jax.shard_map` equation reads and makes its values in.
+
+  Attributes:
+    mesh_axes: ((axis name, size), ...) of the mesh it was traced with.
+    inputs: per operand, per dim, the mesh axes splitting it (a `PartitionSpec` as
+      tuples; dims past the spec's length are whole).
+    outputs: per result, likewise.
+    manual: the axes its body runs manually over; the others stay automatic.
+  """
+
+  mesh_axes: tuple[tuple[str, int], ...]
+  inputs: tuple[tuple[tuple[str, ...], ...], ...]
+  outputs: tuple[tuple[tuple[str, ...], ...], ...]
+  manual: frozenset[str]
+
+
+def shard_map_specs(params: Mapping[str, Any]) -> ManualSpecs | None:
+  """`ManualSpecs` of a `jax.shard_map` equation's params (the same names on jax 0.10 -
+  0.12: `mesh`, `in_specs`, `out_specs`), or None for any other equation.
+
+  >>> import os, jax
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.AbstractMesh((2,), ("x",))
+  >>> shard_map_specs({"mesh": mesh, "in_specs": (P("x", None),), "out_specs": (P(),)})
+  ManualSpecs(mesh_axes=(('x', 2),), inputs=((('x',), ()),), outputs=((),), manual=frozenset({'x'}))
+  """
+  mesh, ins, outs = params.get("mesh"), params.get("in_specs"), params.get("out_specs")
+  if mesh is None or ins is None or outs is None or not hasattr(mesh, "axis_names"):
+    return None
+  sizes = dict(mesh.shape)
+  manual = params.get("newly_manual_axes", params.get("axis_names")) or mesh.axis_names
+  return ManualSpecs(mesh_axes=tuple((a, int(sizes[a])) for a in mesh.axis_names),
+                     inputs=tuple(_spec_axes(p) for p in ins),
+                     outputs=tuple(_spec_axes(p) for p in outs),
+                     manual=frozenset(manual))
+
+
+def _spec_axes(spec: Any) -> tuple[tuple[str, ...], ...]:
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+               for e in tuple(spec))
+
+
+@contextlib.contextmanager
+def shard_maps_on(mesh: Any) -> Iterator[None]:
+  """Within, `bind_eqn` checks that every `jax.shard_map` it runs was traced on `mesh`
+  (the step's), and says how to fix one that was not: JAX's own error names neither
+  the shard_map nor the fix."""
+  token = _RUN_MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _RUN_MESH.reset(token)
+
+
+def _check_shard_map_mesh(traced: Any, mesh: Any) -> None:
+  """Raises where a shard_map's mesh is not the step's: other axes, or (a concrete
+  one) other devices."""
+  same_axes = (tuple(traced.axis_names) == tuple(mesh.axis_names)
+               and dict(traced.shape) == dict(mesh.shape))
+  devices = getattr(traced, "devices", None)
+  if same_axes and (devices is None or np.array_equal(
+      np.vectorize(lambda d: d.id)(devices), np.vectorize(lambda d: d.id)(mesh.devices))
+      and devices.flat[0].platform == mesh.devices.flat[0].platform):
+    return
+  where = (f"on {devices.flat[0].platform} devices {[d.id for d in devices.flat]}"
+           if devices is not None else "abstract")
+  raise ValueError(
+      f"a jax.shard_map in the step was traced on mesh {dict(traced.shape)} ({where}); "
+      f"the step runs on mesh {dict(mesh.shape)} on {mesh.devices.flat[0].platform} "
+      f"devices {[d.id for d in mesh.devices.flat]}. Build the shard_map's mesh from "
+      "the devices the step runs on: the mesh given to tapas.apply(..., mesh=), or for "
+      "tapas.verify(..., topology=T) tapas.tpu_mesh(T, plan.mesh_axes); and search "
+      "on the same axes.")
 
 
 # -- equation params as plain ints ---------------------------------------------------

@@ -251,7 +251,7 @@ class _Applied:
     return values, self._steps[key]
 
   def _jit(self, step: _Structure, num_positional: int):
-    plan, fn, pins, names = self.plan, self.fn, self.pins, step.names
+    plan, fn, pins, names, mesh = self.plan, self.fn, self.pins, step.names, self.mesh
 
     def run(*flat):
       # The jaxpr of the abstract arguments, exactly as `search` traced it (real arrays
@@ -265,8 +265,8 @@ class _Applied:
       folded = foldlib.fold(graph) if plan.remat or plan.gradient_fences else None
       remat = _Recompute.of(plan, graph, folded, pins)
       fences = _fences(plan, graph, folded, pins)
-      outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat,
-                        fences=fences)
+      with jx.shard_maps_on(mesh):  # a user's shard_map: on the step's mesh, or an error
+        outs = _interpret(jaxpr, consts, jax.tree.leaves(flat), (), pins, {}, remat, fences=fences)
       if fences is not None:
         outs = fences.read(outs)
       # The next state stays where its input is stored, so the next step moves nothing.

@@ -1,12 +1,14 @@
 """The record a sharding rule returns (`OpRule`: an op as an einsum over dimension
 factors), what else the pipeline knows of a primitive (`Facts`: fusion, in place,
 contraction), the registry of both by primitive name (`RULES`, `FACTS`, `register`,
-`facts`), and strict mode (`strict_rules`: whether a rule that fails raises).
+`facts`), strict mode (`strict_rules`: whether a rule that fails raises) and the lookup
+(`rule_of`, `rule_for`: the registered rule, or the replicated default with one
+warning).
 
-The rules themselves, one per primitive, with their facts beside them, and their
-lookup (`rule_for`) are in `tapas_jax.rules`, which fills `RULES` and `FACTS` and
-re-exports these names. A primitive nobody registered gets the one
-conservative default, `DEFAULT_FACTS` (as it gets `default_rule`).
+The rules themselves, one per primitive, with their facts beside them, are in
+`tapas_jax.rules`, which fills `RULES` and `FACTS` and re-exports these names. A
+primitive nobody registered gets the one conservative default, `DEFAULT_FACTS` (as it
+gets `default_rule`).
 
 Invariants every rule keeps (checked by `OpRule.__post_init__`): a factor that
 indexes an operand but no result is in `reduce`; a `reduce` factor indexes no
@@ -26,12 +28,14 @@ import dataclasses
 import math
 import os
 import string
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["COMBINES", "DEFAULT_FACTS", "FACTS", "RULES", "STRICT_ENV", "Dims", "Factors",
            "Facts", "OpRule", "RuleFn", "Shape", "default_rule", "elements", "facts",
-           "is_strict", "norm_axis", "register", "strict_rules", "unsplit"]
+           "is_strict", "norm_axis", "register", "rule_for", "rule_of", "strict_rules",
+           "unsplit"]
 
 Shape = tuple[int, ...]
 Dims = tuple[int | None, ...]
@@ -62,6 +66,13 @@ class OpRule:
       gather/scatter-add, which are masked lookups summed), "max", "min", "prod",
       "and", "or", "xor". All cost the same all-reduce; the name is for reports
       and for anyone materialising partials by hand.
+    fixed_inputs: an op that runs on shards the program fixed (`jax.shard_map`):
+      per operand, the mesh axes splitting each dim as it reads it (a
+      `PartitionSpec` as tuples, one per dim), or None where the factors say;
+      empty: none fixed. A fixed operand's dims are unsplit factors (None).
+    fixed_outputs: per result, likewise, as it makes it.
+    fixed_mesh: ((axis, size), ...) of the mesh the fixed layouts name; a plan must
+      be searched on those axes.
 
   Example:
     >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),
@@ -76,9 +87,19 @@ class OpRule:
   reduce: tuple[int, ...] = ()
   flops: int = 0
   combine: str = "sum"
+  fixed_inputs: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
+  fixed_outputs: tuple[tuple[tuple[str, ...], ...] | None, ...] = ()
+  fixed_mesh: tuple[tuple[str, int], ...] = ()
 
   def __post_init__(self):
     n = len(self.factor_sizes)
+    for fixed, group in ((self.fixed_inputs, self.inputs), (self.fixed_outputs,
+                                                             self.outputs)):
+      if fixed and (len(fixed) != len(group) or any(
+          f is not None and (len(f) != len(d) or any(x is not None for x in d))
+          for f, d in zip(fixed, group))):
+        raise ValueError(f"OpRule: fixed layouts {fixed} must give each tensor's every "
+                         f"dim, and those dims be unsplit factors ({group})")
     in_factors, out_factors = set(), set()
     for group, seen in ((self.inputs, in_factors), (self.outputs, out_factors)):
       for dims in group:
@@ -119,6 +140,14 @@ class OpRule:
 
     return (",".join(text(d) for d in self.inputs) + "->" +
             ",".join(text(d) for d in self.outputs))
+
+  def fixed_input(self, k: int) -> tuple[tuple[str, ...], ...] | None:
+    """The layout operand k is read in where the program fixed it, else None."""
+    return self.fixed_inputs[k] if self.fixed_inputs else None
+
+  def fixed_output(self, slot: int) -> tuple[tuple[str, ...], ...] | None:
+    """The layout result `slot` is made in where the program fixed it, else None."""
+    return self.fixed_outputs[slot] if self.fixed_outputs else None
 
   def flops_per_device(self, assignment: Mapping[int, Sequence[str]],
                        axis_sizes: Mapping[str, int]) -> float:
@@ -322,3 +351,90 @@ def strict_rules(enabled: bool = True) -> Iterator[None]:
     yield
   finally:
     _STRICT.reset(token)
+
+
+# -- lookup -----------------------------------------------------------------------
+
+_WARNED: set[str] = set()
+
+def _warn_once(primitive: str, why: str) -> None:
+  if primitive not in _WARNED:
+    _WARNED.add(primitive)
+    warnings.warn(f"tapas_jax.rules: {why} for primitive '{primitive}'; its operands "
+                  "and results are kept replicated.", stacklevel=3)
+
+
+def rule_of(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Any],
+            out_shapes: Sequence[Any], *, loop: bool = False) -> OpRule:
+  """The rule of one equation, from its primitive, param values and shapes.
+
+  Args:
+    primitive: primitive name, e.g. "dot_general".
+    params: the equation's param values (`Op.raw_params`).
+    in_shapes: operand shapes: tuples, or anything with `.shape` (`TensorType`,
+      `jax.ShapeDtypeStruct`).
+    out_shapes: result shapes, likewise.
+    loop: the op owns sub-jaxprs the solver handles itself (scan, while, cond):
+      without a registered rule it is replicated silently.
+
+  Returns:
+    The registered rule, or every dim unsplit (one warning per primitive) when the
+    primitive has no rule or its rule fails on these params.
+
+  Raises:
+    Exception: in strict mode (`strict_rules`, `TAPAS_STRICT_RULES=1`), whatever the
+      rule raised, with a note naming the primitive and shapes.
+
+  Example:
+    >>> rule_of("reduce_sum", {"axes": (1,)}, [(8, 4)], [(8,)]).einsum()
+    'ab->a'
+  """
+  ins = [_shape(s) for s in in_shapes]
+  outs = [_shape(s) for s in out_shapes]
+  fn = RULES.get(primitive)
+  if fn is None:
+    if not loop:
+      _warn_once(primitive, "no sharding rule")
+    return default_rule(ins, outs)
+  try:
+    rule = fn(params, ins, outs)
+    _check_arity(rule, ins, outs)
+  except Exception as e:  # noqa: BLE001 - an odd equation must not stop the search
+    if is_strict():
+      e.add_note(f"tapas_jax.rules: the sharding rule of '{primitive}' failed on "
+                 f"{ins} -> {outs} (strict mode: {STRICT_ENV} or strict_rules())")
+      raise
+    _warn_once(primitive, f"the sharding rule failed ({type(e).__name__}: {e})")
+    return default_rule(ins, outs)
+  return rule
+
+
+def _shape(s: Any) -> Shape:
+  return tuple(int(d) for d in getattr(s, "shape", s))
+
+
+def _check_arity(rule: OpRule, ins: Sequence[Shape], outs: Sequence[Shape]) -> None:
+  ranks = ([len(d) for d in rule.inputs], [len(d) for d in rule.outputs])
+  if ranks != ([len(s) for s in ins], [len(s) for s in outs]):
+    raise ValueError(f"rule ranks {ranks} do not fit shapes {ins} -> {outs}")
+
+
+def rule_for(graph: Any, op: Any) -> OpRule:
+  """The sharding rule of `op` in `graph` (a `tapas_jax.trace.Graph`).
+
+  Looks the primitive up in `RULES` with the op's `raw_params` and the types of
+  its inputs and outputs. Loop and branch ops (`op.subregions`) without a rule are
+  replicated silently: the solver handles their bodies itself.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tapas_jax.trace import trace
+    >>> g = trace(lambda x: jnp.sum(x, axis=1), jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    >>> r = rule_for(g, g.ops[0])
+    >>> r.einsum(), r.reduce
+    ('ab->a', (1,))
+  """
+  ins = [graph.types[v] for v in op.inputs]
+  outs = [graph.types[v] for v in op.outputs]
+  return rule_of(op.primitive, getattr(op, "raw_params", None) or {}, ins, outs,
+                 loop=bool(op.subregions))

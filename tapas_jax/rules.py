@@ -62,15 +62,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from tapas_jax import _jax_internals as jx
 # The record and the registry; their names stay importable from here.
 from tapas_jax.op_rule import (COMBINES, DEFAULT_FACTS, FACTS, RULES, STRICT_ENV,  # noqa: F401
                                Dims, Facts, OpRule, RuleFn, Shape, default_rule, facts,
-                               is_strict, register, strict_rules)
+                               is_strict, register, rule_for, rule_of, strict_rules)
 from tapas_jax.op_rule import Factors as _Factors
 from tapas_jax.op_rule import elements as _size
 from tapas_jax.op_rule import norm_axis as _norm_axis
@@ -694,6 +692,28 @@ register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE
     functools.partial(_scatter, summing=False))
 
 
+# -- jax.shard_map: shards the program fixed -------------------------------------
+
+
+@register("shard_map")
+def _shard_map(params, ins, outs) -> OpRule:
+  """Its operands read and its results made in the layouts its specs name (dims past a
+  spec's length whole), on the mesh it names: the body runs per device on those
+  shards, which no plan splits further (`OpRule.fixed_inputs`). Its FLOPs are the
+  body's, which no plan changes: 0 here."""
+  specs = jx.shard_map_specs(params)
+  rule = default_rule(ins, outs)
+  if specs is None:
+    return rule
+
+  def padded(spec, shape):
+    return tuple(spec[:len(shape)]) + ((),) * (len(shape) - len(spec))
+  return dataclasses.replace(
+      rule, fixed_inputs=tuple(padded(p, s) for p, s in zip(specs.inputs, ins)),
+      fixed_outputs=tuple(padded(p, s) for p, s in zip(specs.outputs, outs)),
+      fixed_mesh=specs.mesh_axes)
+
+
 # -- lookup -----------------------------------------------------------------------
 
 # Primitives known to have no useful split: kept replicated without a warning.
@@ -710,87 +730,3 @@ def _replicated(params, ins, outs) -> OpRule:
 
 
 register(*_REPLICATED)(_replicated)
-
-_WARNED: set[str] = set()
-
-def _warn_once(primitive: str, why: str) -> None:
-  if primitive not in _WARNED:
-    _WARNED.add(primitive)
-    warnings.warn(f"tapas_jax.rules: {why} for primitive '{primitive}'; its operands "
-                  "and results are kept replicated.", stacklevel=3)
-
-
-def rule_of(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Any],
-            out_shapes: Sequence[Any], *, loop: bool = False) -> OpRule:
-  """The rule of one equation, from its primitive, param values and shapes.
-
-  Args:
-    primitive: primitive name, e.g. "dot_general".
-    params: the equation's param values (`Op.raw_params`).
-    in_shapes: operand shapes: tuples, or anything with `.shape` (`TensorType`,
-      `jax.ShapeDtypeStruct`).
-    out_shapes: result shapes, likewise.
-    loop: the op owns sub-jaxprs the solver handles itself (scan, while, cond):
-      without a registered rule it is replicated silently.
-
-  Returns:
-    The registered rule, or every dim unsplit (one warning per primitive) when the
-    primitive has no rule or its rule fails on these params.
-
-  Raises:
-    Exception: in strict mode (`strict_rules`, `TAPAS_STRICT_RULES=1`), whatever the
-      rule raised, with a note naming the primitive and shapes.
-
-  Example:
-    >>> rule_of("reduce_sum", {"axes": (1,)}, [(8, 4)], [(8,)]).einsum()
-    'ab->a'
-  """
-  ins = [_shape(s) for s in in_shapes]
-  outs = [_shape(s) for s in out_shapes]
-  fn = RULES.get(primitive)
-  if fn is None:
-    if not loop:
-      _warn_once(primitive, "no sharding rule")
-    return default_rule(ins, outs)
-  try:
-    rule = fn(params, ins, outs)
-    _check_arity(rule, ins, outs)
-  except Exception as e:  # noqa: BLE001 - an odd equation must not stop the search
-    if is_strict():
-      e.add_note(f"tapas_jax.rules: the sharding rule of '{primitive}' failed on "
-                 f"{ins} -> {outs} (strict mode: {STRICT_ENV} or strict_rules())")
-      raise
-    _warn_once(primitive, f"the sharding rule failed ({type(e).__name__}: {e})")
-    return default_rule(ins, outs)
-  return rule
-
-
-def _shape(s: Any) -> Shape:
-  return tuple(int(d) for d in getattr(s, "shape", s))
-
-
-def _check_arity(rule: OpRule, ins: Sequence[Shape], outs: Sequence[Shape]) -> None:
-  ranks = ([len(d) for d in rule.inputs], [len(d) for d in rule.outputs])
-  if ranks != ([len(s) for s in ins], [len(s) for s in outs]):
-    raise ValueError(f"rule ranks {ranks} do not fit shapes {ins} -> {outs}")
-
-
-def rule_for(graph: Any, op: Any) -> OpRule:
-  """The sharding rule of `op` in `graph` (a `tapas_jax.trace.Graph`).
-
-  Looks the primitive up in `RULES` with the op's `raw_params` and the types of
-  its inputs and outputs. Loop and branch ops (`op.subregions`) without a rule are
-  replicated silently: the solver handles their bodies itself.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from tapas_jax.trace import trace
-    >>> g = trace(lambda x: jnp.sum(x, axis=1), jax.ShapeDtypeStruct((8, 4), jnp.float32))
-    >>> r = rule_for(g, g.ops[0])
-    >>> r.einsum(), r.reduce
-    ('ab->a', (1,))
-  """
-  ins = [graph.types[v] for v in op.inputs]
-  outs = [graph.types[v] for v in op.outputs]
-  return rule_of(op.primitive, getattr(op, "raw_params", None) or {}, ins, outs,
-                 loop=bool(op.subregions))

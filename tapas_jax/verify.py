@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import re
 import time
@@ -290,13 +291,36 @@ def _topologies():
 def tpu_mesh(topology: str, mesh_axes: Mapping[str, int]) -> jax.sharding.Mesh:
   """A mesh of `mesh_axes` over the devices of TPU `topology` ("v5p:2x2x1"), with no
   TPU attached: libtpu describes the devices, `jax.jit(...).lower(...).compile()` then
-  runs the TPU compiler.
+  runs the TPU compiler. The mesh `verify` compiles on: a step whose `jax.shard_map`
+  (a Pallas kernel's, say) names its mesh is traced on this one to be verified there.
+
+  Example:
+    >>> mesh = tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})  # doctest: +SKIP
+    >>> mesh.devices.shape, mesh.devices.flat[0].platform  # doctest: +SKIP
+    ((2, 2), 'tpu')
 
   Raises:
     LibtpuMissingError: libtpu cannot be loaded (`TPU_EXTRA`).
     ValueError: an unknown topology, or one with another number of devices.
   """
   topology = options.topology(topology, "verify", "topology")
+  devices = _topology_devices(topology)
+  sizes = tuple(mesh_axes.values())
+  if int(np.prod(sizes)) != len(devices):
+    raise options.OptionError(
+        f"verify: the plan's mesh {dict(mesh_axes)} has {int(np.prod(sizes))} devices, "
+        f"topology {topology!r} has {len(devices)}; pick a topology of that many "
+        "chips or plan for its mesh.")
+  # A plain Mesh: topologies.make_mesh refuses shapes that split a physical axis.
+  return jax.sharding.Mesh(np.array(devices).reshape(sizes), tuple(mesh_axes),
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(topology: str) -> tuple[Any, ...]:
+  """The devices libtpu describes for a topology, once per process: JAX tells devices
+  apart by object, so a mesh the user built for their `jax.shard_map` with `tpu_mesh`
+  and the one `verify` compiles on must hold the same ones."""
   topologies = _topologies()
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
@@ -310,15 +334,7 @@ def tpu_mesh(topology: str, mesh_axes: Mapping[str, int]) -> jax.sharding.Mesh:
     raise options.OptionError(f"verify: topology={topology!r} is not one libtpu knows "
                               f"({str(e).splitlines()[0][:160]}); e.g. 'v5e:2x2', "
                               "'v5p:2x2x1', 'v6e:4x4'.") from None
-  sizes = tuple(mesh_axes.values())
-  if int(np.prod(sizes)) != len(desc.devices):
-    raise options.OptionError(
-        f"verify: the plan's mesh {dict(mesh_axes)} has {int(np.prod(sizes))} devices, "
-        f"topology {topology!r} has {len(desc.devices)}; pick a topology of that many "
-        "chips or plan for its mesh.")
-  # A plain Mesh: topologies.make_mesh refuses shapes that split a physical axis.
-  return jax.sharding.Mesh(np.array(desc.devices).reshape(sizes), tuple(mesh_axes),
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+  return tuple(desc.devices)
 
 
 def _hbm(devices: Sequence[Any], plan: planlib.Plan, tpu: bool) -> tuple[float, str]:

@@ -23,7 +23,8 @@ def test_public_api_is_pinned():
   assert sorted(tapas.__all__) == [
       "Folded", "Graph", "InfeasibleBudgetError", "MeshError", "Plan", "PlanStats",
       "SearchConfig", "Solver", "TapasError", "TraceError", "Verified", "apply", "fold",
-      "make_mesh", "models", "place", "remat_policy", "search", "shard", "trace", "verify"]
+      "make_mesh", "models", "place", "remat_policy", "search", "shard", "tpu_mesh", "trace",
+      "verify"]
   for name in tapas.__all__:
     assert hasattr(tapas, name), name
 

@@ -339,3 +339,43 @@ def test_an_unknown_layouts_value_is_refused():
   m, plan = planned("gpt", "search")
   with pytest.raises(tapas.TapasError, match=r"layouts=.tiled'.*'auto'"):
     tapas.apply(plan, m.train_step(), layouts="tiled")
+
+
+# -- a kernel run on shards the program fixes (jax.shard_map) ----------------------
+
+
+def test_a_shard_mapped_kernel_gets_its_shards_and_computes_the_same_numbers():
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(mesh)
+  plan = tapas.search(step, *jax.eval_shape(lambda *a: a, state, x),
+                      mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  # The shard_map reads its operands with the batch on data and the heads on model:
+  # the plan makes them there (priced as whole reads, the batch was left unsplit and the
+  # shard_map's operands gathered whole).
+  decisions = {d.name: d.axes for d in plan.decisions}
+  assert decisions["batch"] == ("data",), plan.summary()
+  want_state, want_loss = jax.jit(step)(state, x)
+  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
+                                                                        mesh=mesh))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_shard_map_on_another_mesh_than_the_search_is_named():
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(mesh)
+  with pytest.raises(tapas.MeshError, match=r"'shard_map' at .* runs on mesh "
+                     r"\{'data': 2, 'model': 2\}, the search's mesh is \{'data': 4, "
+                     r"'model': 2\}.*Search with mesh="):
+    tapas.search(step, state, x, mesh={"data": 4, "model": 2}, device="cpu")
+
+
+def test_a_shard_map_traced_on_other_devices_than_the_step_is_named():
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(mesh)
+  plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
+  other = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[4:])
+  with pytest.raises(ValueError, match=r"traced on mesh .* \(on cpu devices \[0, 1, 2, 3\]\).*"
+                     r"runs on .* devices \[4, 5, 6, 7\]\. Build the shard_map's mesh"):
+    tapas.apply(plan, step, mesh=other)(*tapas.place(plan, state, x, mesh=other))

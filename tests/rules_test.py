@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import tapas_jax
 from tapas_jax import _jax_internals as jx
-from tapas_jax import cost, models, rules
+from tapas_jax import cost, models, op_rule, rules
 from tapas_jax.rules import OpRule, rule_for, rule_of
 from tapas_jax.solver.problem import build_problem
 from tapas_jax.solver.tables import TableBuilder
@@ -796,7 +796,7 @@ def test_style_plans_compute_what_unsharded_does(style):
 
 
 def test_unknown_primitive_warns_once_and_is_replicated(monkeypatch):
-  monkeypatch.setattr(rules, "_WARNED", set())
+  monkeypatch.setattr(op_rule, "_WARNED", set())
   prim = jax.extend.core.Primitive("tapas_test_mystery")
   prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   g = trace(lambda x: prim.bind(x), sds(4, 8))
@@ -814,7 +814,7 @@ BROKEN_DOT = ("dot_general", {}, [(4, 8), (8, 2)], [(4, 2)])  # no dimension num
 
 
 def test_failing_rule_falls_back_to_replicated_with_one_warning(monkeypatch):
-  monkeypatch.setattr(rules, "_WARNED", set())
+  monkeypatch.setattr(op_rule, "_WARNED", set())
   with rules.strict_rules(False):
     with pytest.warns(UserWarning, match="rule failed.*'dot_general'") as record:
       r = rule_of(*BROKEN_DOT)
@@ -824,7 +824,7 @@ def test_failing_rule_falls_back_to_replicated_with_one_warning(monkeypatch):
 
 
 def test_strict_mode_reraises_with_a_note(monkeypatch):
-  monkeypatch.setattr(rules, "_WARNED", set())
+  monkeypatch.setattr(op_rule, "_WARNED", set())
   assert rules.is_strict()  # tests/conftest.py turns it on for the session
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -855,7 +855,7 @@ def test_strict_mode_switches(monkeypatch, env, block, strict):
 
 
 def test_loop_ops_are_replicated_without_warning(monkeypatch):
-  monkeypatch.setattr(rules, "_WARNED", set())
+  monkeypatch.setattr(op_rule, "_WARNED", set())
   g = trace(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c * x), c, xs),
             sds(4), sds(3, 4))
   op = only(g, "scan")
@@ -864,3 +864,21 @@ def test_loop_ops_are_replicated_without_warning(monkeypatch):
     r = rule_for(g, op)
   assert all(f is None for d in r.inputs + r.outputs for f in d)
   assert math.prod(r.factor_sizes) == 1
+
+
+def test_a_shard_map_reads_and_makes_the_shards_its_specs_name():
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  f = jax.shard_map(lambda a, b: (a * 2, b + 1), mesh=mesh,
+                    in_specs=(P("data", "model"), P(None, "model")),
+                    out_specs=(P("data"), P(None, "model")), check_vma=False)
+  g = trace(lambda a, b: f(a, b), jax.ShapeDtypeStruct((8, 4), jnp.float32),
+            jax.ShapeDtypeStruct((4, 6), jnp.float32))
+  op, = [op for op in g.ops if op.primitive == "shard_map"]
+  rule = rule_for(g, op)
+  assert rule.einsum() == "__,__->__,__"  # no factor: no plan splits its shards further
+  # A spec shorter than the rank leaves the trailing dims whole.
+  assert rule.fixed_inputs == ((("data",), ("model",)), ((), ("model",)))
+  assert rule.fixed_outputs == ((("data",), ()), ((), ("model",)))
+  assert rule.fixed_mesh == (("data", 2), ("model", 2))
+  with pytest.raises(ValueError, match="fixed layouts .* every dim"):
+    dataclasses.replace(rule, fixed_inputs=((("data",),), None))

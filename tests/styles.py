@@ -17,6 +17,9 @@ The styles are what users bring, not the zoo's house style:
   with `vmap` over per-head stacked weights inside each block;
 * optax adamw, adam, sgd with momentum; jax.nn gelu (tanh and erf), silu, relu,
   softmax, logsumexp.
+
+Besides the styles, `shard_mapped_attention`: attention run inside a `jax.shard_map` on
+a given mesh, as TPU users run a Pallas kernel.
 """
 
 from __future__ import annotations
@@ -688,6 +691,54 @@ def _one(name: str, layers: int, clock: str) -> None:
   p = STYLES[name](layers)
   print(tapas_jax.search(p.step, p.state, p.batch, mesh={"data": 2, "model": 4},
                          device="h100").stats.search_s)
+
+
+# -- a kernel on shards the program fixes: not a STYLES entry (its mesh is given) ---
+
+
+def shard_mapped_attention(mesh, attention=None, batch=8, seq=512, heads=4, head_dim=128,
+                           width=512):
+  """(step, state, x) of an attention layer whose attention runs inside a
+  `jax.shard_map` over `mesh` (batch on data, heads on model), as TPU users run a
+  Pallas kernel (flash attention), which XLA cannot partition; `attention(q, k, v)`
+  ([batch, heads, seq, head_dim] each) runs per device, causal softmax attention by
+  default. SGD (Adam's first step turns the rounding noise of a near-zero gradient
+  into a full step of either sign); the state as arrays."""
+  def causal(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+
+  spec = P("data", "model", None, None)
+  run = jax.shard_map(attention or causal, mesh=mesh, in_specs=(spec,) * 3,
+                      out_specs=spec, check_vma=False)
+
+  def loss(p, x):
+    def heads_of(w):
+      return (x @ w).reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+    o = run(heads_of(p["wq"]), heads_of(p["wk"]), heads_of(p["wv"]))
+    return jnp.mean((o.transpose(0, 2, 1, 3).reshape(batch, seq, -1) @ p["wo"]) ** 2)
+
+  opt = optax.sgd(0.1)
+
+  def step(state, x):
+    p, opt_state = state
+    value, grads = jax.value_and_grad(loss)(p, x)
+    updates, opt_state = opt.update(grads, opt_state, p)
+    return (optax.apply_updates(p, updates), opt_state), value
+
+  keys = jax.random.split(jax.random.key(0), 5)
+  shapes = {"wq": (width, heads * head_dim), "wk": (width, heads * head_dim),
+            "wv": (width, heads * head_dim), "wo": (heads * head_dim, width)}
+  params = {n: 0.1 * jax.random.normal(k, s) for (n, s), k in zip(sorted(shapes.items()),
+                                                                  keys)}
+  return step, (params, opt.init(params)), jax.random.normal(keys[4], (batch, seq, width))
+
+
+def auto_mesh(shape, names, devices):
+  """A mesh of Auto axes over these devices (as users build one for shard_map)."""
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def main(argv: list[str]) -> None:

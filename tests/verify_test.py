@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import styles  # tests/styles.py: train steps in common library styles
 import tapas_jax as tapas
 from tapas_jax import baselines, measure, models
 
@@ -392,3 +393,18 @@ def test_the_state_in_the_compilers_layouts_drops_the_updates_copies(libtpu):
   assert auto.alias_bytes >= default.alias_bytes > 0  # still updated in place
   assert auto.live_peak_bytes < 0.9 * default.live_peak_bytes
   assert 0.9 < auto.live_ratio < 1.1 and default.live_ratio < 0.95
+
+
+def test_a_shard_mapped_pallas_kernel_is_verified_on_the_topologys_mesh(libtpu):
+  """A Pallas TPU kernel (flash attention), which XLA cannot partition, run as TPU users
+  run it: inside a `jax.shard_map` on the mesh of the devices it compiles for."""
+  flash = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
+  mesh = tapas.tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})
+  step, state, x = styles.shard_mapped_attention(
+      mesh, attention=lambda q, k, v: flash.flash_attention(q, k, v, causal=True))
+  args = jax.eval_shape(lambda *a: a, state, x)
+  plan = tapas.search(step, *args, mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  record = tapas.verify(plan, step, *args, topology="v5p:2x2x1")
+  assert record.compiled and record.fits, record.summary()
+  # The plan makes the kernel's operands where the shard_map reads them.
+  assert {d.name: d.axes for d in plan.decisions}["batch"] == ("data",)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -254,6 +255,7 @@ def _add_made(entries: Entries, problem: Problem, prog: LiveProgram, conv,
   own: dict[int, int] = {}
   sided = {r for r, _ in problem.read_sides}  # ops reading through an activation cut
   made = _Made(problem, prog)
+  fixed = any(r.fixed_outputs for r in problem.rules.values())  # a shard_map's results
   for j in positions:
     op = prog.top[j]
     if op.index not in prog.live:
@@ -265,7 +267,10 @@ def _add_made(entries: Entries, problem: Problem, prog: LiveProgram, conv,
         continue
       stop = (prog.end if v in prog.outputs and v not in prog.carried
               else reach.get(v, j))
-      own[v] = entries.add(j, stop, g.types[v].nbytes, v, classes)
+      nbytes = g.types[v].nbytes
+      if fixed:
+        nbytes = _made_bytes(problem, op, slot, nbytes)
+      own[v] = entries.add(j, stop, nbytes, v, classes)
       for c, dims in _cut_copies(problem, prog, v, sided) if sided else ():
         entries.add(prog.pos[c], prog.pos[c], g.types[v].nbytes, v, dims, stored=classes)
     for v, classes in conv.get(op.index, {}).items():
@@ -630,6 +635,17 @@ def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:
     return tuple(problem.vclass(v, d) for d in range(len(problem.graph.types[v].shape)))
   return tuple(None if f is None else problem.vclass(v, d)
                for d, f in enumerate(rule.outputs[op.outputs.index(v)]))
+
+
+def _made_bytes(problem: Problem, op, slot: int, nbytes: int) -> float:
+  """Bytes of an op's result `slot` as made: a device's share where the program fixed
+  the shards it is made on (a `jax.shard_map`'s result: its classes are whole), else
+  the whole value's, which the entry's classes divide."""
+  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
+  fixed = rule.fixed_output(slot) if rule is not None else None
+  if fixed is None:
+    return nbytes
+  return nbytes / math.prod(problem.mesh.size(a) for axes in fixed for a in axes)
 
 
 def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:

@@ -45,6 +45,7 @@ from typing import Callable, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
+from tapas_jax.options import MeshError
 from tapas_jax.solver import sequence
 from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan_bodies
 from tapas_jax.trace import Graph, Op
@@ -373,6 +374,20 @@ class _Program:
   apart: tuple[tuple[int, int, int, bool], ...]  # `_scan_cuts`
 
 
+def _check_fixed_meshes(prog: _Program, mesh: costlib.MeshSpec) -> None:
+  """Raises where an op runs on shards the program fixed over another mesh than the
+  search's (a `jax.shard_map` traced on its own mesh): JAX runs it only on that mesh."""
+  want = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes)}
+  for op in prog.top:
+    fixed = prog.rules[op.index].fixed_mesh
+    if fixed and dict(fixed) != want:
+      raise MeshError(
+          f"search: '{op.primitive}' at {op.name_stack or 'the top level'} runs on mesh "
+          f"{dict(fixed)}, the search's mesh is {want}: JAX runs a shard_map only on "
+          f"its own mesh. Search with mesh={dict(fixed)} (or build the shard_map's mesh "
+          "from the search's axes).")
+
+
 def _program(graph: Graph, view: View, reassociates: bool = False) -> _Program:
   """The ops of the view, their rules, the update, the free values and the cuts.
   `reassociates`: the profile's `reassociates_all_reduces` (`sequence.dot_side`)."""
@@ -422,6 +437,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
   """
   prog = _program(graph, with_scan_bodies(graph, view or unfolded_view(graph)),
                   profile.reassociates_all_reduces)
+  _check_fixed_meshes(prog, mesh)
   first = _unite(prog, {}, lambda v, d: True)
   data, batch = _batch(prog, mesh, first, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}

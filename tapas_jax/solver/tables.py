@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import operator
 from typing import Iterable, Mapping, Sequence
 
@@ -100,7 +101,11 @@ class TableBuilder:
     v = p.cv(v)
     if v in self.producer:
       op = g.ops[self.producer[v]]
-      return self.result_classes(op, op.outputs.index(v)), self.partial_expr(v)
+      slot = op.outputs.index(v)
+      fixed = p.rules[op.index].fixed_output(slot)
+      if fixed is not None:  # made on shards the program fixed (a shard_map's)
+        return costlib.Layout(fixed), None
+      return self.result_classes(op, slot), self.partial_expr(v)
     rank = len(g.types[v].shape)
     return tuple(p.value_class.get((v, d)) for d in range(rank)), None
 
@@ -275,7 +280,9 @@ class TableBuilder:
       src_dims = p.read_dims(op.index, v)
       if src_dims is None:
         src_dims = self.fixed.get(v, self._src(v)[0])
-      dst_dims = self.operand_classes(op, k)
+      fixed = rule.fixed_input(k)
+      dst_dims = (costlib.Layout(fixed) if fixed is not None
+                  else self.operand_classes(op, k))
       edges.append((g.types[v], src_dims, None, dst_dims))
     flops = rule.flops if only in (None, 0) else 0.0
     traffic = self.traffic(op) if only in (None, 0) else []
@@ -288,14 +295,22 @@ class TableBuilder:
     p, g = self.p, self.p.graph
     rule, fclass = p.rules[op.index], self.factor_classes(op)
     out = []
-    for v, dims in zip(op.inputs, rule.inputs):
+    for k, (v, dims) in enumerate(zip(op.inputs, rule.inputs)):
       if v not in g.literals and g.types[v].shape and p.cv(v) not in self.unwritten \
           and v not in self.unwritten:
-        out.append((g.types[v].nbytes, tuple(None if f is None else fclass[f] for f in dims)))
-    for v, dims in zip(op.outputs, rule.outputs):
+        out.append((self._share(g.types[v].nbytes, rule.fixed_input(k)),
+                    tuple(None if f is None else fclass[f] for f in dims)))
+    for slot, (v, dims) in enumerate(zip(op.outputs, rule.outputs)):
       if g.types[v].shape and v not in self.unwritten:
-        out.append((g.types[v].nbytes, tuple(None if f is None else fclass[f] for f in dims)))
+        out.append((self._share(g.types[v].nbytes, rule.fixed_output(slot)),
+                    tuple(None if f is None else fclass[f] for f in dims)))
     return out
+
+  def _share(self, nbytes: int, fixed) -> float:
+    """A device's bytes of a tensor, where a fixed layout splits it; else all."""
+    if fixed is None:
+      return nbytes
+    return nbytes / math.prod(self.p.mesh.size(a) for axes in fixed for a in axes)
 
   def resolve_table(self, v: int) -> Table | None:
     """The one reduction of a partial value, in its producer's layout.

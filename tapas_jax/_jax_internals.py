@@ -363,7 +363,7 @@ def _check_shard_map_mesh(traced: Any, mesh: Any) -> None:
   one) other devices."""
   same_axes = (tuple(traced.axis_names) == tuple(mesh.axis_names)
                and dict(traced.shape) == dict(mesh.shape))
-  devices = getattr(traced, "devices", None)
+  devices = traced.devices if isinstance(traced, jax.sharding.Mesh) else None
   if same_axes and (devices is None or np.array_equal(
       np.vectorize(lambda d: d.id)(devices), np.vectorize(lambda d: d.id)(mesh.devices))
       and devices.flat[0].platform == mesh.devices.flat[0].platform):

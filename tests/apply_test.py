@@ -379,3 +379,17 @@ def test_a_shard_map_traced_on_other_devices_than_the_step_is_named():
   with pytest.raises(ValueError, match=r"traced on mesh .* \(on cpu devices \[0, 1, 2, 3\]\).*"
                      r"runs on .* devices \[4, 5, 6, 7\]\. Build the shard_map's mesh"):
     tapas.apply(plan, step, mesh=other)(*tapas.place(plan, state, x, mesh=other))
+
+
+def test_a_shard_map_on_the_mesh_jax_set_mesh_sets_runs_as_unsharded():
+  """`jax.shard_map` without `mesh=` takes the mesh `jax.set_mesh` sets; the plan is
+  searched and applied inside it."""
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(None, seq=64, head_dim=32, width=128)
+  with jax.set_mesh(mesh):
+    plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
+    want_state, want_loss = jax.jit(step)(state, x)
+    got_state, got_loss = tapas.apply(plan, step)(*tapas.place(plan, state, x))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

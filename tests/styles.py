@@ -699,11 +699,12 @@ def _one(name: str, layers: int, clock: str) -> None:
 def shard_mapped_attention(mesh, attention=None, batch=8, seq=512, heads=4, head_dim=128,
                            width=512):
   """(step, state, x) of an attention layer whose attention runs inside a
-  `jax.shard_map` over `mesh` (batch on data, heads on model), as TPU users run a
-  Pallas kernel (flash attention), which XLA cannot partition; `attention(q, k, v)`
-  ([batch, heads, seq, head_dim] each) runs per device, causal softmax attention by
-  default. SGD (Adam's first step turns the rounding noise of a near-zero gradient
-  into a full step of either sign); the state as arrays."""
+  `jax.shard_map` over `mesh` (None: the one `jax.set_mesh` sets; batch on data, heads
+  on model), as TPU users run a Pallas kernel (flash attention), which XLA cannot
+  partition; `attention(q, k, v)` ([batch, heads, seq, head_dim] each) runs per device,
+  causal softmax attention by default. SGD (Adam's first step turns the rounding noise
+  of a near-zero gradient into a full step of either sign); the state as arrays."""
+
   def causal(q, k, v):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)

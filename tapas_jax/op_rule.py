@@ -72,7 +72,8 @@ class OpRule:
       empty: none fixed. A fixed operand's dims are unsplit factors (None).
     fixed_outputs: per result, likewise, as it makes it.
     fixed_mesh: ((axis, size), ...) of the mesh the fixed layouts name; a plan must
-      be searched on those axes.
+      be searched on those axes. Such an op's `flops` are a device's (its body's, run
+      per device on its shards: `rule_for` counts them).
 
   Example:
     >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),
@@ -436,5 +437,29 @@ def rule_for(graph: Any, op: Any) -> OpRule:
   """
   ins = [graph.types[v] for v in op.inputs]
   outs = [graph.types[v] for v in op.outputs]
-  return rule_of(op.primitive, getattr(op, "raw_params", None) or {}, ins, outs,
+  rule = rule_of(op.primitive, getattr(op, "raw_params", None) or {}, ins, outs,
                  loop=bool(op.subregions))
+  if rule.fixed_mesh and op.subregions and not rule.flops:
+    # Its body runs per device on the shards it fixes: its FLOPs are that body's.
+    rule = dataclasses.replace(rule, flops=sum(_body_flops(graph, r) for r in op.subregions))
+  return rule
+
+
+def _body_flops(graph: Any, region: int) -> int:
+  """FLOPs of one run of a region's ops (at the shapes they are traced with), by the
+  registered rules alone: an op none knows adds nothing, here, and no warning (its
+  body's, times its trip count, where it has one: a loop)."""
+  total = 0
+  for op in graph.region_ops(region):
+    fn = RULES.get(op.primitive)
+    if fn is not None:
+      try:
+        total += fn(getattr(op, "raw_params", None) or {},
+                    [tuple(graph.types[v].shape) for v in op.inputs],
+                    [tuple(graph.types[v].shape) for v in op.outputs]).flops
+      except Exception:  # noqa: BLE001, S112 - a rule that cannot read it: no FLOPs
+        continue
+    else:
+      trips = [graph.regions[r].trip_count or 1 for r in op.subregions]
+      total += sum(n * _body_flops(graph, r) for n, r in zip(trips, op.subregions))
+  return total

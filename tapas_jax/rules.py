@@ -699,8 +699,8 @@ register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE
 def _shard_map(params, ins, outs) -> OpRule:
   """Its operands read and its results made in the layouts its specs name (dims past a
   spec's length whole), on the mesh it names: the body runs per device on those
-  shards, which no plan splits further (`OpRule.fixed_inputs`). Its FLOPs are the
-  body's, which no plan changes: 0 here."""
+  shards, which no plan splits further (`OpRule.fixed_inputs`). Its FLOPs, a device's,
+  are its body's, which `rule_for` reads off the traced body."""
   specs = jx.shard_map_specs(params)
   rule = default_rule(ins, outs)
   if specs is None:
@@ -712,6 +712,16 @@ def _shard_map(params, ins, outs) -> OpRule:
       rule, fixed_inputs=tuple(padded(p, s) for p, s in zip(specs.inputs, ins)),
       fixed_outputs=tuple(padded(p, s) for p, s in zip(specs.outputs, outs)),
       fixed_mesh=specs.mesh_axes)
+
+
+@register("pallas_call")
+def _pallas_call(params, ins, outs) -> OpRule:
+  """A kernel: run whole where it is called (no plan splits it; on TPU it runs inside a
+  `jax.shard_map`, whose shards are then its operands); its FLOPs as its author
+  estimated them (`pl.CostEstimate`), none where not."""
+  cost = params.get("cost_estimate")
+  return dataclasses.replace(default_rule(ins, outs),
+                             flops=int(getattr(cost, "flops", 0) or 0))
 
 
 # -- lookup -----------------------------------------------------------------------

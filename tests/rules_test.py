@@ -882,3 +882,34 @@ def test_a_shard_map_reads_and_makes_the_shards_its_specs_name():
   assert rule.fixed_mesh == (("data", 2), ("model", 2))
   with pytest.raises(ValueError, match="fixed layouts .* every dim"):
     dataclasses.replace(rule, fixed_inputs=((("data",),), None))
+
+
+def test_a_shard_maps_flops_are_its_bodys_on_one_device():
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  f = jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("data", None), P(None, "model")),
+                    out_specs=P("data", "model"))
+  g = trace(f, jax.ShapeDtypeStruct((8, 16), jnp.float32),
+            jax.ShapeDtypeStruct((16, 4), jnp.float32))
+  op, = [op for op in g.ops if op.primitive == "shard_map"]
+  assert rule_for(g, op).flops == 2 * 4 * 16 * 2  # one device's [4, 16] @ [16, 2]
+
+
+def test_a_pallas_kernels_flops_are_its_authors_estimate():
+  pl = pytest.importorskip("jax.experimental.pallas")
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def double(x, cost):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          cost_estimate=cost, interpret=True)(x)
+
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+  for estimate, flops in ((pl.CostEstimate(flops=1234, transcendentals=0,
+                                            bytes_accessed=0), 1234), (None, 0)):
+    g = trace(functools.partial(double, cost=estimate), x)
+    op, = [op for op in g.ops if op.primitive == "pallas_call"]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # a kernel is kept whole by its own rule, quietly
+      rule = rule_for(g, op)
+    assert (rule.einsum(), rule.flops) == ("__->__", flops)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -645,7 +644,7 @@ def _made_bytes(problem: Problem, op, slot: int, nbytes: int) -> float:
   fixed = rule.fixed_output(slot) if rule is not None else None
   if fixed is None:
     return nbytes
-  return nbytes / math.prod(problem.mesh.size(a) for axes in fixed for a in axes)
+  return nbytes / costlib.num_shards(costlib.Layout(fixed), problem.mesh)
 
 
 def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import operator
 from typing import Iterable, Mapping, Sequence
 
@@ -310,7 +309,7 @@ class TableBuilder:
     """A device's bytes of a tensor, where a fixed layout splits it; else all."""
     if fixed is None:
       return nbytes
-    return nbytes / math.prod(self.p.mesh.size(a) for axes in fixed for a in axes)
+    return nbytes / costlib.num_shards(costlib.Layout(fixed), self.p.mesh)
 
   def resolve_table(self, v: int) -> Table | None:
     """The one reduction of a partial value, in its producer's layout.

@@ -348,9 +348,9 @@ def _spec_axes(spec: Any) -> tuple[tuple[str, ...], ...]:
 
 @contextlib.contextmanager
 def shard_maps_on(mesh: Any) -> Iterator[None]:
-  """Within, `bind_eqn` checks that every `jax.shard_map` it runs was traced on `mesh`
-  (the step's), and says how to fix one that was not: JAX's own error names neither
-  the shard_map nor the fix."""
+  """Within, `bind_eqn` checks that every `jax.shard_map` it runs was traced on the
+  devices of `mesh` (the step's), and says how to fix one that was not: JAX's own error
+  names neither the shard_map nor the fix."""
   token = _RUN_MESH.set(mesh)
   try:
     yield
@@ -359,24 +359,21 @@ def shard_maps_on(mesh: Any) -> Iterator[None]:
 
 
 def _check_shard_map_mesh(traced: Any, mesh: Any) -> None:
-  """Raises where a shard_map's mesh is not the step's: other axes, or (a concrete
-  one) other devices."""
-  same_axes = (tuple(traced.axis_names) == tuple(mesh.axis_names)
-               and dict(traced.shape) == dict(mesh.shape))
-  devices = traced.devices if isinstance(traced, jax.sharding.Mesh) else None
-  if same_axes and (devices is None or np.array_equal(
-      np.vectorize(lambda d: d.id)(devices), np.vectorize(lambda d: d.id)(mesh.devices))
-      and devices.flat[0].platform == mesh.devices.flat[0].platform):
+  """Raises where a shard_map was traced on a concrete mesh over other devices than the
+  step's (JAX runs it on a mesh of its own only over the step's devices); an abstract
+  one JAX checks itself."""
+  if not isinstance(traced, jax.sharding.Mesh):
     return
-  where = (f"on {devices.flat[0].platform} devices {[d.id for d in devices.flat]}"
-           if devices is not None else "abstract")
+  ids = sorted((d.platform, d.id) for d in traced.devices.flat)
+  if ids == sorted((d.platform, d.id) for d in mesh.devices.flat):
+    return
   raise ValueError(
-      f"a jax.shard_map in the step was traced on mesh {dict(traced.shape)} ({where}); "
-      f"the step runs on mesh {dict(mesh.shape)} on {mesh.devices.flat[0].platform} "
-      f"devices {[d.id for d in mesh.devices.flat]}. Build the shard_map's mesh from "
-      "the devices the step runs on: the mesh given to tapas.apply(..., mesh=), or for "
-      "tapas.verify(..., topology=T) tapas.tpu_mesh(T, plan.mesh_axes); and search "
-      "on the same axes.")
+      f"a jax.shard_map in the step was traced on mesh {dict(traced.shape)} (on "
+      f"{ids[0][0]} devices {[i for _, i in ids]}); the step runs on mesh "
+      f"{dict(mesh.shape)} on {mesh.devices.flat[0].platform} devices "
+      f"{[d.id for d in mesh.devices.flat]}. Build the shard_map's mesh from the devices "
+      "the step runs on: the mesh given to tapas.apply(..., mesh=), or for "
+      "tapas.verify(..., topology=T) tapas.tpu_mesh(T, plan.mesh_axes).")
 
 
 # -- equation params as plain ints ---------------------------------------------------

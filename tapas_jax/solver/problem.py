@@ -45,7 +45,6 @@ from typing import Callable, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
-from tapas_jax.options import MeshError
 from tapas_jax.solver import sequence
 from tapas_jax.solver.views import View, scan_bindings, unfolded_view, with_scan_bodies
 from tapas_jax.trace import Graph, Op
@@ -374,23 +373,33 @@ class _Program:
   apart: tuple[tuple[int, int, int, bool], ...]  # `_scan_cuts`
 
 
-def _check_fixed_meshes(prog: _Program, mesh: costlib.MeshSpec) -> None:
-  """Raises where an op runs on shards the program fixed over another mesh than the
-  search's (a `jax.shard_map` traced on its own mesh): JAX runs it only on that mesh."""
+def _on_the_mesh(rules: dict[int, ruleslib.OpRule], top: Sequence[Op],
+                 mesh: costlib.MeshSpec) -> None:
+  """Drops the fixed layouts of ops whose mesh is not the search's (a `jax.shard_map` on
+  a mesh of its own over the same devices, say `{'d': 8}` under a `data x model`
+  plan: JAX runs it so, but its shards name axes the plan has not), with one warning:
+  they are then priced as read and made whole, as an op without a rule is."""
   want = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes)}
-  for op in prog.top:
-    fixed = prog.rules[op.index].fixed_mesh
-    if fixed and dict(fixed) != want:
-      raise MeshError(
-          f"search: '{op.primitive}' at {op.name_stack or 'the top level'} runs on mesh "
-          f"{dict(fixed)}, the search's mesh is {want}: JAX runs a shard_map only on "
-          f"its own mesh. Search with mesh={dict(fixed)} (or build the shard_map's mesh "
-          "from the search's axes).")
+  other = {}
+  for op in top:
+    rule = rules[op.index]
+    if rule.fixed_mesh and dict(rule.fixed_mesh) != want:
+      rules[op.index] = dataclasses.replace(rule, fixed_inputs=(), fixed_outputs=(),
+                                            fixed_mesh=())
+      other.setdefault(rule.fixed_mesh, op)
+  for fixed, op in other.items():
+    warnings.warn(
+        f"search: '{op.primitive}' at {op.name_stack or 'the top level'} runs on mesh "
+        f"{dict(fixed)}, the search's is {want}: its operands and results are priced "
+        "whole (gathered into it, made replicated). Search on the shard_map's mesh axes "
+        "to have them priced on its shards.", stacklevel=4)
 
 
-def _program(graph: Graph, view: View, reassociates: bool = False) -> _Program:
-  """The ops of the view, their rules, the update, the free values and the cuts.
-  `reassociates`: the profile's `reassociates_all_reduces` (`sequence.dot_side`)."""
+def _program(graph: Graph, view: View, reassociates: bool = False,
+             mesh: costlib.MeshSpec | None = None) -> _Program:
+  """The ops of the view, their rules (on `mesh`: `_on_the_mesh`), the update, the free
+  values and the cuts. `reassociates`: the profile's `reassociates_all_reduces`
+  (`sequence.dot_side`)."""
   canon = view.canon
   cv = lambda v: canon.get(v, v)  # noqa: E731
   top = tuple(graph.ops[i] for i in view.ops if i not in view.loops)
@@ -400,6 +409,8 @@ def _program(graph: Graph, view: View, reassociates: bool = False) -> _Program:
     if op.signature not in by_signature:
       by_signature[op.signature] = ruleslib.rule_for(graph, op)
     rules[op.index] = by_signature[op.signature]
+  if mesh is not None:
+    _on_the_mesh(rules, top, mesh)
   update = update_ops(graph, top, rules)
   free = free_values(graph, top, update, cv)
   readers: dict[int, set[bool]] = {}  # value -> read by update ops (True), others (False)
@@ -436,8 +447,7 @@ def build_problem(graph: Graph, mesh: costlib.MeshSpec, profile: costlib.DeviceP
       value dim.
   """
   prog = _program(graph, with_scan_bodies(graph, view or unfolded_view(graph)),
-                  profile.reassociates_all_reduces)
-  _check_fixed_meshes(prog, mesh)
+                  profile.reassociates_all_reduces, mesh)
   first = _unite(prog, {}, lambda v, d: True)
   data, batch = _batch(prog, mesh, first, batch_axes)
   batch_dims = {key for key, c in first.value_class.items() if c in batch}

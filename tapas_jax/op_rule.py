@@ -252,6 +252,9 @@ class Facts:
     selects: its result is some or all of its operand's elements, unchanged (a
       slice, a squeeze): a weight gathered for it is gathered in the type its readers
       take it in (a layer's slice of a stacked f32 kernel read by a dot: in bf16).
+    called: its sub-jaxpr is a call run once, not a loop or a branch: `jax.checkpoint`
+      under `nothing_saveable` recomputes it like any other op (a `jax.shard_map`, a
+      Pallas kernel), where remat keeps a loop's or a branch's results.
 
   Example:
     >>> from tapas_jax import rules  # registers the rules and their facts
@@ -271,6 +274,7 @@ class Facts:
   sums: bool = False
   moves: bool = False
   selects: bool = False
+  called: bool = False
 
 
 DEFAULT_FACTS = Facts()

@@ -695,7 +695,7 @@ register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE
 # -- jax.shard_map: shards the program fixed -------------------------------------
 
 
-@register("shard_map")
+@register("shard_map", facts=Facts(called=True))
 def _shard_map(params, ins, outs) -> OpRule:
   """Its operands read and its results made in the layouts its specs name (dims past a
   spec's length whole), on the mesh it names: the body runs per device on those
@@ -714,7 +714,7 @@ def _shard_map(params, ins, outs) -> OpRule:
       fixed_mesh=specs.mesh_axes)
 
 
-@register("pallas_call")
+@register("pallas_call", facts=Facts(called=True))
 def _pallas_call(params, ins, outs) -> OpRule:
   """A kernel: run whole where it is called (no plan splits it; on TPU it runs inside a
   `jax.shard_map`, whose shards are then its operands); its FLOPs as its author

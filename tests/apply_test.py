@@ -416,3 +416,26 @@ def test_a_shard_map_on_the_mesh_jax_set_mesh_sets_runs_as_unsharded():
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_shard_maps_results_are_pinned_where_the_plan_holds_them_otherwise():
+  """FSDP holds the batch over every axis; the shard_map makes its result with the batch
+  on data and the heads on model: the readers get the plan's layout pinned, so that XLA
+  reshards the result there rather than carrying the kernel's layout on."""
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(mesh, seq=64, head_dim=32, width=128)
+  plan = baselines.baseline("fsdp", step, state, x, mesh={"data": 2, "model": 2},
+                            device="cpu")
+  graph = trace.trace(step, state, x)
+  made = {v for op in graph.ops if op.primitive == "shard_map" and op.region == 0
+          for v in op.outputs[:1]}
+  sites = {(graph.ops[r].site, k) for v in made for r in graph.consumers.get(v, ())
+           for k, x_ in enumerate(graph.ops[r].inputs) if x_ == v}
+  pinned = [c for c in plan.constraints if (tuple(c.site), c.slot) in sites]
+  assert pinned and all(c.spec[0] == ("data", "model") for c in pinned), plan.constraints
+  want_state, want_loss = jax.jit(step)(state, x)
+  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
+                                                                        mesh=mesh))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

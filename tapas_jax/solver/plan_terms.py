@@ -189,7 +189,7 @@ def _constraints(problem: Problem, choice: Choice,
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
   top = Standing(g, view)
-  out = _made_constraints(problem, spec, top)
+  out = _made_constraints(problem, spec, top) + _fixed_made_constraints(problem, spec, top)
   # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have,
   # whether they are one layout).
   pair: dict[tuple, tuple[PartitionSpec, PartitionSpec, bool]] = {}
@@ -248,6 +248,43 @@ def _constraints(problem: Problem, choice: Choice,
   reads.sort(key=operator.itemgetter(0))  # in program order, as one walk adds them
   out += [con for _, found in reads for con in found]
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:
+  """The results of an op on shards the program fixed (a `jax.shard_map`'s), pinned at
+  each reader in the layout the plan holds them in, where that is not the one made:
+  the plan prices their reshard there, where XLA would otherwise carry the fixed
+  layout into the next contraction and reduce its partial sums instead."""
+  g, rules, out = problem.graph, problem.rules, []
+  # Scanned layers' bodies too: `apply` pins inside a loop by running its body itself.
+  ops = [g.ops[i] for i in problem.view.ops if rules.get(i) and rules[i].fixed_outputs]
+  ops += [op for op in top.where(lambda i: bool(rules.get(i) and rules[i].fixed_outputs))
+          if op.index not in problem.view.ops]
+  for op in ops:
+    rule = rules[problem.view.op_canon.get(op.index, op.index)]
+    for slot, v in enumerate(op.outputs):
+      fixed = rule.fixed_output(slot)
+      rank = len(g.types[v].shape)
+      if fixed is None or (problem.cv(v), 0) not in problem.value_class or not rank:
+        continue
+      planned = spec([problem.vclass(v, d) for d in range(rank)])
+      # Whole, it is held in classes nothing ties to the rest (a baseline leaves them
+      # unsplit): pinned, the kernel's result would be gathered. Left to XLA.
+      if planned == PartitionSpec(*costlib.Layout(fixed).to_partition_spec()) or all(
+          e is None for e in planned):
+        continue
+      # A reader on fixed shards itself (the backward's shard_map reading a residual)
+      # takes it from the layout made into its own, never the plan's: not pinned.
+      out += [Constraint(site=g.ops[r].site, slot=k, spec=planned)
+              for r in g.consumers.get(v, ()) if g.ops[r].region == op.region
+              and not _on_fixed_shards(problem, r)
+              for k, x in enumerate(g.ops[r].inputs) if x == v]
+  return out
+
+
+def _on_fixed_shards(problem: Problem, op_index: int) -> bool:
+  rule = problem.rules.get(problem.view.op_canon.get(op_index, op_index))
+  return rule is not None and bool(rule.fixed_inputs)
 
 
 def _made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:

@@ -121,6 +121,8 @@ class InstanceRemat:
 
 
 def _saved(op: Op, policy: str, graph: Graph | None = None) -> bool:
+  if policy == "nothing_saveable" and ruleslib.facts(op.primitive).called:
+    return False  # a call (a shard_map's kernel) is recomputed whole
   if op.subregions:  # loops and branches are never recomputed (see module doc)
     return True
   if policy == "nothing_saveable":

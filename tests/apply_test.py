@@ -345,6 +345,16 @@ def test_an_unknown_layouts_value_is_refused():
 # -- a kernel run on shards the program fixes (jax.shard_map) ----------------------
 
 
+def _runs_as_unsharded(plan, step, state, x, mesh=None):
+  """The applied step's loss and next state are the unsharded step's."""
+  want_state, want_loss = jax.jit(step)(state, x)
+  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
+                                                                        mesh=mesh))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_a_shard_mapped_kernel_gets_its_shards_and_computes_the_same_numbers():
   mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
   step, state, x = styles.shard_mapped_attention(mesh)
@@ -355,12 +365,7 @@ def test_a_shard_mapped_kernel_gets_its_shards_and_computes_the_same_numbers():
   # shard_map's operands gathered whole).
   decisions = {d.name: d.axes for d in plan.decisions}
   assert decisions["batch"] == ("data",), plan.summary()
-  want_state, want_loss = jax.jit(step)(state, x)
-  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
-                                                                        mesh=mesh))
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  _runs_as_unsharded(plan, step, state, x, mesh=mesh)
 
 
 def test_a_shard_map_on_a_mesh_of_its_own_is_priced_whole_and_runs():
@@ -386,12 +391,7 @@ def test_a_shard_map_on_a_mesh_of_its_own_is_priced_whole_and_runs():
                     r"priced whole"):
     plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
   mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
-  want_state, want_loss = jax.jit(step)(state, x)
-  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
-                                                                        mesh=mesh))
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  _runs_as_unsharded(plan, step, state, x, mesh=mesh)
 
 
 def test_a_shard_map_traced_on_other_devices_than_the_step_is_named():
@@ -411,11 +411,7 @@ def test_a_shard_map_on_the_mesh_jax_set_mesh_sets_runs_as_unsharded():
   step, state, x = styles.shard_mapped_attention(None, seq=64, head_dim=32, width=128)
   with jax.set_mesh(mesh):
     plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
-    want_state, want_loss = jax.jit(step)(state, x)
-    got_state, got_loss = tapas.apply(plan, step)(*tapas.place(plan, state, x))
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    _runs_as_unsharded(plan, step, state, x)
 
 
 def test_a_shard_maps_results_are_pinned_where_the_plan_holds_them_otherwise():
@@ -433,9 +429,4 @@ def test_a_shard_maps_results_are_pinned_where_the_plan_holds_them_otherwise():
            for k, x_ in enumerate(graph.ops[r].inputs) if x_ == v}
   pinned = [c for c in plan.constraints if (tuple(c.site), c.slot) in sites]
   assert pinned and all(c.spec[0] == ("data", "model") for c in pinned), plan.constraints
-  want_state, want_loss = jax.jit(step)(state, x)
-  got_state, got_loss = tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x,
-                                                                        mesh=mesh))
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  _runs_as_unsharded(plan, step, state, x, mesh=mesh)

@@ -311,13 +311,11 @@ class ManualSpecs:
     inputs: per operand, per dim, the mesh axes splitting it (a `PartitionSpec` as
       tuples; dims past the spec's length are whole).
     outputs: per result, likewise.
-    manual: the axes its body runs manually over; the others stay automatic.
   """
 
   mesh_axes: tuple[tuple[str, int], ...]
   inputs: tuple[tuple[tuple[str, ...], ...], ...]
   outputs: tuple[tuple[tuple[str, ...], ...], ...]
-  manual: frozenset[str]
 
 
 def shard_map_specs(params: Mapping[str, Any]) -> ManualSpecs | None:
@@ -328,17 +326,15 @@ def shard_map_specs(params: Mapping[str, Any]) -> ManualSpecs | None:
   >>> from jax.sharding import PartitionSpec as P
   >>> mesh = jax.sharding.AbstractMesh((2,), ("x",))
   >>> shard_map_specs({"mesh": mesh, "in_specs": (P("x", None),), "out_specs": (P(),)})
-  ManualSpecs(mesh_axes=(('x', 2),), inputs=((('x',), ()),), outputs=((),), manual=frozenset({'x'}))
+  ManualSpecs(mesh_axes=(('x', 2),), inputs=((('x',), ()),), outputs=((),))
   """
   mesh, ins, outs = params.get("mesh"), params.get("in_specs"), params.get("out_specs")
   if mesh is None or ins is None or outs is None or not hasattr(mesh, "axis_names"):
     return None
   sizes = dict(mesh.shape)
-  manual = params.get("newly_manual_axes", params.get("axis_names")) or mesh.axis_names
   return ManualSpecs(mesh_axes=tuple((a, int(sizes[a])) for a in mesh.axis_names),
                      inputs=tuple(_spec_axes(p) for p in ins),
-                     outputs=tuple(_spec_axes(p) for p in outs),
-                     manual=frozenset(manual))
+                     outputs=tuple(_spec_axes(p) for p in outs))
 
 
 def _spec_axes(spec: Any) -> tuple[tuple[str, ...], ...]:

@@ -71,9 +71,10 @@ class OpRule:
       `PartitionSpec` as tuples, one per dim), or None where the factors say;
       empty: none fixed. A fixed operand's dims are unsplit factors (None).
     fixed_outputs: per result, likewise, as it makes it.
-    fixed_mesh: ((axis, size), ...) of the mesh the fixed layouts name; a plan must
-      be searched on those axes. Such an op's `flops` are a device's (its body's, run
-      per device on its shards: `rule_for` counts them).
+    fixed_mesh: ((axis, size), ...) of the mesh the fixed layouts name; a search on
+      other axes drops the fixed layouts (priced whole, one warning). Such an op's
+      `flops` are a device's (its body's, run per device on its shards: `rule_for`
+      counts them).
 
   Example:
     >>> r = OpRule(factor_sizes=(8, 4, 16), inputs=((0, 1), (1, 2)),

@@ -258,8 +258,9 @@ def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Const
   g, rules, out = problem.graph, problem.rules, []
   # Scanned layers' bodies too: `apply` pins inside a loop by running its body itself.
   ops = [g.ops[i] for i in problem.view.ops if rules.get(i) and rules[i].fixed_outputs]
+  seen = {op.index for op in ops}
   ops += [op for op in top.where(lambda i: bool(rules.get(i) and rules[i].fixed_outputs))
-          if op.index not in problem.view.ops]
+          if op.index not in seen]
   for op in ops:
     rule = rules[problem.view.op_canon.get(op.index, op.index)]
     for slot, v in enumerate(op.outputs):

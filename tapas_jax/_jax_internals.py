@@ -29,6 +29,7 @@ import re
 from typing import Any, Iterator, Mapping
 
 import jax
+from jax._src import source_info_util
 import numpy as np
 
 try:  # public home since jax 0.4.3x
@@ -264,8 +265,12 @@ def memory_peak(stats: Any) -> int:
 
 def current_mesh() -> Any:
   """The concrete mesh `jax.set_mesh` set, or None: `get_mesh` gives an empty mesh
-  (or, on some lines, an abstract one without devices) where none is set."""
-  mesh = jax.sharding.get_mesh()
+  (or, on some lines, an abstract one without devices) where none is set; inside
+  `jax.jit`, where only the abstract mesh is known, None."""
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # "`get_mesh` can only be used outside of `jax.jit`" (jax >= 0.11)
+    return None
   if mesh is None or getattr(mesh, "empty", True) or not hasattr(mesh, "devices"):
     return None
   return mesh
@@ -276,10 +281,20 @@ def make_jaxpr(fn: Any, *args: Any) -> tuple[Any, Any]:
   return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
+def source_of(eqn: Any) -> Any:
+  """Context in which what is bound carries this equation's name stack (under the one
+  current) and traceback, as `jax.core.eval_jaxpr` binds each equation: the compiled
+  program's op names (`metadata.op_name`, which profilers show) and source lines stay the
+  user's, "jvp(GPT)/Block_0/attn/dot_general" rather than a bare "dot_general"."""
+  info = eqn.source_info
+  return source_info_util.user_context(
+      info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
+
+
 def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
-  """Evaluates one equation on values (tracers or arrays), as `jax.core.eval_jaxpr` does;
-  inside `shard_maps_on(mesh)`, a `jax.shard_map` traced on another mesh is refused
-  with the fix."""
+  """Evaluates one equation on values (tracers or arrays), as `jax.core.eval_jaxpr` does,
+  under its own name stack and traceback (`source_of`); inside `shard_maps_on(mesh)`, a
+  `jax.shard_map` traced on another mesh is refused with the fix."""
   bound = eqn.primitive.get_bind_params(eqn.params)
   if isinstance(bound, tuple):  # jax < 0.10: (subfuns, params)
     subfuns, params = bound
@@ -289,11 +304,8 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
   if run_mesh is not None and shard_map_specs(eqn.params) is not None:
     _check_shard_map_mesh(eqn.params["mesh"], run_mesh)
   ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-  if ctx is None:
+  with source_of(eqn), (ctx if ctx is not None else contextlib.nullcontext()):
     out = eqn.primitive.bind(*subfuns, *invals, **params)
-  else:
-    with ctx:
-      out = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 

@@ -42,7 +42,7 @@ from tapas_jax import plan_file
 from tapas_jax import rules as ruleslib
 from tapas_jax import trace as tracelib
 from tapas_jax import solver
-from tapas_jax.mesh import MeshError, make_mesh
+from tapas_jax.mesh import MeshError, axes_difference, make_mesh
 
 __all__ = ["apply", "place", "place_as_planned", "remat_policy"]
 
@@ -70,22 +70,10 @@ def _mesh_for(plan: planlib.Plan, mesh: Any, where: str) -> jax.sharding.Mesh:
   axes = options.mesh_axes(mesh, where)
   if axes != dict(plan.mesh_axes):
     raise MeshError(f"{where}: the plan was searched for mesh {dict(plan.mesh_axes)}, but "
-                    f"{source} has axes {axes} ({_mesh_diff(dict(plan.mesh_axes), axes)}). "
+                    f"{source} has axes {axes} ({axes_difference(dict(plan.mesh_axes), axes)}). "
                     "Search again on this mesh, or use a mesh with the plan's axis names "
                     "and sizes.")
   return mesh
-
-
-def _mesh_diff(want: Mapping[str, int], have: Mapping[str, int]) -> str:
-  for name, size in want.items():
-    if name not in have:
-      return f"no axis {name!r}"
-    if have[name] != size:
-      return f"axis {name!r} has size {have[name]}, the plan's {size}"
-  extra = [n for n in have if n not in want]
-  if extra:
-    return f"extra axis {extra[0]!r}"
-  return f"axis order {list(have)}, the plan's {list(want)}"
 
 
 class _Call:
@@ -240,6 +228,7 @@ class _Applied:
 
   def _prepare(self, args, kwargs) -> tuple[tuple, _Structure]:
     args, kwargs = _as_searched(self.fn, self.plan, args, kwargs)
+    self.in_mesh_context = jx.current_mesh() is not None  # for `_check_program`'s hint
     names = tuple(sorted(kwargs))
     values = tuple(args) + tuple(kwargs[n] for n in names)
     # Checking and binding the specs walks every leaf: once per argument structure.
@@ -258,7 +247,7 @@ class _Applied:
       # may carry weak types that would add or drop equations and shift every site).
       graph, closed, out_shape = tracelib.trace_with_jaxpr(
           fn, *flat[:num_positional], kwargs=dict(zip(names, flat[num_positional:])))
-      _check_program(plan, graph)
+      _check_program(plan, graph, self.in_mesh_context)
       step.traced = (graph.carried, jax.tree.structure(out_shape))
       jaxpr, consts = jx.open_jaxpr(closed)
       # The layers, for the plan's remat and the backward's order: folded once.
@@ -275,6 +264,8 @@ class _Applied:
         outs[k] = jax.lax.with_sharding_constraint(outs[k], flat_in[j])
       return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
+    # Named as the step: "jit(train_step)" in the compiled program's op names and dumps.
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "run")
     return jax.jit(run, in_shardings=step.shardings, donate_argnums=self.donate)
 
   def _laid_out_for(self, step: _Structure, values) -> _LaidOut:
@@ -428,7 +419,7 @@ def _fences(plan: planlib.Plan, graph, folded, pins: Mapping) -> fencelib.Fences
   return fences if fences.at else None
 
 
-def _check_program(plan: planlib.Plan, graph) -> None:
+def _check_program(plan: planlib.Plan, graph, in_mesh_context: bool = True) -> None:
   if graph.regions[0].fingerprint == plan.fingerprint:
     return
   here = tuple((i.path, str(graph.types[i.value])) for i in graph.inputs)
@@ -446,7 +437,10 @@ def _check_program(plan: planlib.Plan, graph) -> None:
   raise ValueError(
       f"apply: plan {plan.name!r} was searched for another program: {what} (fingerprint "
       f"{plan.fingerprint}, this one {graph.regions[0].fingerprint}). Search again with "
-      "tapas.search(fn, *args, mesh=...) on what you run.")
+      "tapas.search(fn, *args, mesh=...) on what you run" + (
+          "" if in_mesh_context else "; or, if it was searched inside "
+          "`with jax.set_mesh(mesh):`, apply (or verify) it there too: JAX traces a step "
+          "inside a mesh context differently") + ".")
 
 
 def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
@@ -478,26 +472,32 @@ def _interpret(jaxpr, consts, args, site: tuple, pins: Mapping, memo: dict,
     loop = remat.loop(here) if remat is not None else None
     if given and here in given:
       outs = given[here]
-    elif loop is not None:
-      outs = loop.run(here, eqn, invals)
-    elif _pins_inside(eqn, here, pins):
-      outs = _scan(eqn, invals, here, pins)
-    elif call is not None:
-      key, idx, sub = call
-      body, body_consts = jx.open_jaxpr(sub)
-      if jx.is_recompute_barrier(eqn):
-        # The user's own remat (`jax.checkpoint`, `nn.remat`) in the backward: inlined
-        # without the barrier JAX lowers it behind, XLA would merge the recomputation
-        # with the forward it repeats and the user's memory saving would be lost.
-        invals = _barrier(invals)
-      outs = _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat,
-                        given, fences)
-    else:
+    elif call is None and loop is None and not _pins_inside(eqn, here, pins):
       outs = jx.bind_eqn(eqn, invals)
+    else:
+      with jx.source_of(eqn):  # what runs in its place is named as it is
+        outs = _rerun(eqn, invals, here, call, loop, pins, memo, remat, given, fences)
     env.update(zip(eqn.outvars, outs))
     if fences is not None:
       fences.made(here, outs)
   return [read(a) for a in jaxpr.outvars]
+
+
+def _rerun(eqn, invals, here, call, loop, pins, memo, remat, given, fences) -> list[Any]:
+  """What `_interpret` runs in an equation's place: a rematerialised loop, a scan with
+  pins in its body, or a call inlined (a user's checkpoint behind a barrier)."""
+  if loop is not None:
+    return loop.run(here, eqn, invals)
+  if call is None or _pins_inside(eqn, here, pins):
+    return _scan(eqn, invals, here, pins)
+  key, idx, sub = call
+  body, body_consts = jx.open_jaxpr(sub)
+  if jx.is_recompute_barrier(eqn):
+    # Without the barrier JAX lowers a differentiated checkpoint behind, XLA would merge
+    # the recomputation with the forward it repeats: the user's memory saving lost.
+    invals = _barrier(invals)
+  return _interpret(body, body_consts, invals, here + (key, idx), pins, memo, remat,
+                    given, fences)
 
 
 def _pins_inside(eqn, site: tuple, pins: Mapping) -> bool:

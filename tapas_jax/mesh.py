@@ -21,7 +21,8 @@ from jax.sharding import AxisType, Mesh
 from tapas_jax import options
 from tapas_jax.options import MeshError, check_auto
 
-__all__ = ["MeshError", "check_auto", "default_mesh", "make_mesh", "resolve_mesh"]
+__all__ = ["MeshError", "axes_difference", "check_auto", "default_mesh", "make_mesh",
+           "resolve_mesh"]
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -96,3 +97,21 @@ def resolve_mesh(mesh: Any) -> jax.sharding.Mesh:
     raise MeshError(f"shard: mesh= must be a jax.sharding.Mesh or a dict of axis sizes, "
                     f"got {type(mesh).__name__}; build one with tapas_jax.make_mesh(...)")
   return check_auto(mesh)
+
+
+def axes_difference(want: Mapping[str, int], have: Mapping[str, int]) -> str:
+  """The first way mesh axes `have` differ from `want`, for an error message.
+
+  Example:
+    >>> axes_difference({"data": 2, "model": 4}, {"data": 2, "model": 2})
+    "axis 'model' has size 2, the plan's 4"
+  """
+  for name, size in want.items():
+    if name not in have:
+      return f"no axis {name!r}"
+    if have[name] != size:
+      return f"axis {name!r} has size {have[name]}, the plan's {size}"
+  extra = [n for n in have if n not in want]
+  if extra:
+    return f"extra axis {extra[0]!r}"
+  return f"axis order {list(have)}, the plan's {list(want)}"

@@ -3,6 +3,7 @@ predicted, state kept where the plan stores it, and clear errors on a mismatch."
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,26 @@ def test_applied_step_computes_the_same_numbers(family, kind, two_steps):
   for leaf, spec in zip(jax.tree.leaves(s1), jax.tree.leaves(plan.in_specs[0],
                                                              is_leaf=is_spec)):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), spec
+
+
+@pytest.mark.parametrize("family,kind", [("gpt", "budget"), ("t5", "search")])
+def test_the_compiled_step_keeps_the_programs_op_names(family, kind):
+  """The compiled program's op names (`metadata.op_name`, which profilers show) name the
+  step and the modules that made each op, as the step jitted on its own does: apply
+  binds each equation it re-interprets (or recomputes) under the equation's own name
+  stack, not under a bare "jit(run)/dot_general"."""
+  m, plan = planned(family, kind)
+  args = (m.abstract_state(), m.batch_spec(8))
+
+  def module_scopes(jitted):
+    text = jitted.lower(*args).compile().as_text()
+    return set(re.findall(r'op_name="jit\(train_step\)/(?:transpose\()?jvp\(\w+\)\)?/'
+                          r'([\w/]+)/[^/"]+"', text))
+
+  own = module_scopes(jax.jit(m.train_step()))
+  assert len(own) > 10, own
+  applied = module_scopes(tapas.apply(plan, m.train_step()))
+  assert own <= applied, sorted(own - applied)
 
 
 @pytest.mark.parametrize("family,kind,remat", [("gpt", "fsdp", "nothing_saveable"),
@@ -412,6 +433,18 @@ def test_a_shard_map_on_the_mesh_jax_set_mesh_sets_runs_as_unsharded():
   with jax.set_mesh(mesh):
     plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
     _runs_as_unsharded(plan, step, state, x)
+
+
+def test_a_step_searched_inside_jax_set_mesh_and_applied_outside_is_told_where():
+  """JAX traces a step inside a mesh context as another program (a mesh-less shard_map
+  reads the context's mesh): applied outside it, the error says to apply it inside."""
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  step, state, x = styles.shard_mapped_attention(None, seq=64, head_dim=32, width=128)
+  with jax.set_mesh(mesh):
+    plan = tapas.search(step, state, x, mesh={"data": 2, "model": 2}, device="cpu")
+  with pytest.raises(ValueError, match=r"searched inside `with jax.set_mesh\(mesh\):`, "
+                     r"apply \(or verify\) it there too"):
+    tapas.apply(plan, step, mesh=mesh)(*tapas.place(plan, state, x, mesh=mesh))
 
 
 def test_a_shard_maps_results_are_pinned_where_the_plan_holds_them_otherwise():

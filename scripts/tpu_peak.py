@@ -24,6 +24,8 @@ tiny GPT (FSDP, v5p:2x2x1) it is 0.56 MB under the compiler's 2.93 MB, not under
   python scripts/tpu_peak.py --read=DIR           # dumps already written there
   ... --state_layouts=auto --model_peak           # the state in the compiler's layouts,
                                                   # and the model's own peak beside it
+  ... --for_backward                              # what it keeps for the backward pass,
+                                                  # each buffer with the op that made it
 
 (BENCHMARKS.md, "Reading the compiler's peak from its dumps".)
 """
@@ -138,6 +140,32 @@ def listed(folder: str) -> tuple[float, int, float, float]:
           int(point.group(1)) if point else -1, args, temp)
 
 
+def op_names(folder: str) -> dict[str, str]:
+  """Instruction -> its `metadata.op_name` in the optimized HLO: the program's own name
+  stack ("jit(train_step)/jvp(ViT)/ViT.features/Block_1/..."), which `tapas.apply` keeps."""
+  hlo = _read(folder, "*after_optimizations.txt")
+  return dict(re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', hlo, re.M))
+
+
+def kept_for_backward(folder: str, top: int = 15, at: int = -1
+                      ) -> tuple[int, list[tuple[int, str, int, int, str]]]:
+  """(a program point, the `top` largest HBM buffers live across it other than the
+  arguments, with their op names): what the compiler keeps from the forward pass for
+  the backward. The point: `at`, else where the buffers forward ops made ("jvp(" and
+  not "transpose(" in their names) hold the most bytes, the turn from the forward to
+  the backward (its first instruction is no mark: the scheduler runs backward ops that
+  depend on nothing early)."""
+  names = op_names(folder)
+  buffers = [(start, end, size, name, names.get(name.split("{")[0], ""))
+             for start, end, size, name, _ in _buffers(folder) if not name.startswith("param")]
+  if at < 0:
+    at = int(np.argmax(_curve([b for b in buffers
+                               if "jvp(" in b[4] and "transpose(" not in b[4]])))
+  kept = sorted(((size, name, start, end, op) for start, end, size, name, op in buffers
+                 if start < at <= end), reverse=True)
+  return at, kept[:top]
+
+
 def _curve(spans) -> np.ndarray:
   """Bytes live at each program point, of (start, end, size, ...) spans, ends included."""
   delta = np.zeros(max((end for _, end, *_ in spans), default=0) + 2)
@@ -207,6 +235,11 @@ def main():
   parser.add_argument("--read", default="", help="a folder of dumps: read, compile nothing")
   parser.add_argument("--model_peak", action="store_true",
                       help="also print the model's activation peak for the searched plan")
+  parser.add_argument("--for_backward", action="store_true",
+                      help="also print what the compiler keeps for the backward pass, by name")
+  parser.add_argument("--at", type=int, default=-1,
+                      help="--for_backward: at this program point (default: where what "
+                      "forward ops made is largest)")
   a = parser.parse_args()
   if a.model_peak:
     model_peak(a, a.top)
@@ -231,6 +264,12 @@ def main():
         f"at most {chip.max() / 2**20:.2f} MiB (point {int(chip.argmax())})")
   for size, name, start, end in here:
     print(f"  {size / 2**20:9.2f} MiB  {name}  live {start}-{end}")
+  if a.for_backward:
+    first, kept = kept_for_backward(folder, a.top, a.at)
+    print(f"live across program point {first} (where what forward ops made is largest, "
+          "unless --at), arguments left out:")
+    for size, name, start, end, op_name in kept:
+      print(f"  {size / 2**20:9.2f} MiB  {name}  live {start}-{end}  {op_name[:100]}")
 
 
 if __name__ == "__main__":

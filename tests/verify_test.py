@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -145,6 +146,13 @@ def test_the_tpu_compilers_dumps_are_read_as_it_reports_them(libtpu, tmp_path, m
   assert whole == arguments
   assert 0 < whole + live <= record.live_peak_bytes
   assert live <= temporaries and here
+  # What it keeps for the backward, each buffer named by the op that made it (apply
+  # keeps the program's name stacks): the GPT's forward values, no argument among them.
+  at, kept = tpu_peak.kept_for_backward(str(tmp_path), top=50)
+  blocks = {re.search(r"jvp\(GPT\)/(Block_\d+)/", op).group(1) for *_, op in kept
+            if re.search(r"^jit\(train_step\)/jvp\(GPT\)/Block_\d+/", op)}
+  assert at > 0 and blocks == {"Block_0", "Block_1"}, kept
+  assert not any(name.startswith("param") for _, name, *_ in kept)
 
 
 def test_a_program_the_tpu_compiler_rejects_gives_a_record_not_a_crash(libtpu):

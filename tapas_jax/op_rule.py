@@ -451,20 +451,14 @@ def rule_for(graph: Any, op: Any) -> OpRule:
 
 
 def _body_flops(graph: Any, region: int) -> int:
-  """FLOPs of one run of a region's ops (at the shapes they are traced with), by the
-  registered rules alone: an op none knows adds nothing, here, and no warning (its
-  body's, times its trip count, where it has one: a loop)."""
+  """FLOPs of one run of a region's ops (at the shapes they are traced with), by their
+  rules (`rule_for`); an op without one adds its body's, times its trip count where it
+  has one (a loop), and nothing else."""
   total = 0
   for op in graph.region_ops(region):
-    fn = RULES.get(op.primitive)
-    if fn is not None:
-      try:
-        total += fn(getattr(op, "raw_params", None) or {},
-                    [tuple(graph.types[v].shape) for v in op.inputs],
-                    [tuple(graph.types[v].shape) for v in op.outputs]).flops
-      except Exception:  # noqa: BLE001, S112 - a rule that cannot read it: no FLOPs
-        continue
+    if op.primitive in RULES:
+      total += rule_for(graph, op).flops
     else:
-      trips = [graph.regions[r].trip_count or 1 for r in op.subregions]
-      total += sum(n * _body_flops(graph, r) for n, r in zip(trips, op.subregions))
+      total += sum((graph.regions[r].trip_count or 1) * _body_flops(graph, r)
+                   for r in op.subregions)
   return total

@@ -251,18 +251,24 @@ def _constraints(problem: Problem, choice: Choice,
 
 
 def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:
-  """The results of an op on shards the program fixed (a `jax.shard_map`'s), pinned at
-  each reader in the layout the plan holds them in, where that is not the one made:
-  the plan prices their reshard there, where XLA would otherwise carry the fixed
-  layout into the next contraction and reduce its partial sums instead."""
+  """The operands and results of an op on shards the program fixed (a
+  `jax.shard_map`'s), pinned in the layout the plan holds them in where that is not the
+  one it reads or makes (`_fixed_read`; results at each reader): the plan prices their
+  reshard there, where XLA would otherwise carry the fixed layout into the next
+  contraction and reduce its partial sums instead."""
   g, rules, out = problem.graph, problem.rules, []
+
+  def on_fixed(i):
+    rule = rules.get(i)
+    return bool(rule and (rule.fixed_outputs or rule.fixed_inputs))
+
   # Scanned layers' bodies too: `apply` pins inside a loop by running its body itself.
-  ops = [g.ops[i] for i in problem.view.ops if rules.get(i) and rules[i].fixed_outputs]
+  ops = [g.ops[i] for i in problem.view.ops if on_fixed(i)]
   seen = {op.index for op in ops}
-  ops += [op for op in top.where(lambda i: bool(rules.get(i) and rules[i].fixed_outputs))
-          if op.index not in seen]
+  ops += [op for op in top.where(on_fixed) if op.index not in seen]
   for op in ops:
     rule = rules[problem.view.op_canon.get(op.index, op.index)]
+    out += _fixed_read(problem, spec, op, rule)
     for slot, v in enumerate(op.outputs):
       fixed = rule.fixed_output(slot)
       rank = len(g.types[v].shape)
@@ -281,6 +287,36 @@ def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Const
               and not _on_fixed_shards(problem, r)
               for k, x in enumerate(g.ops[r].inputs) if x == v]
   return out
+
+
+def _fixed_read(problem: Problem, spec, op, rule) -> list[Constraint]:
+  """An op on fixed shards' operands, pinned where it reads them in the layout the plan
+  holds them in, where that is not the one it reads: the plan prices their reshard
+  there. Left to itself, XLA carries the fixed layout back into the ops that make the
+  operand (a projection into a kernel's heads computed from the whole residual stream,
+  gathered for it in the forward and again in the backward)."""
+  g, out = problem.graph, []
+  for k, x in enumerate(op.inputs):
+    fixed, rank = rule.fixed_input(k), len(g.types[x].shape)
+    if (fixed is None or not rank or x in g.literals
+        or (problem.cv(x), 0) not in problem.value_class):
+      continue
+    planned = spec([problem.vclass(x, d) for d in range(rank)])
+    # Whole, pinned, it would be gathered first; made on fixed shards (the forward
+    # kernel's residual read by the backward's), it goes from one fixed layout to the
+    # other as the plan prices it.
+    maker = g.producer.get(x)
+    if (planned == PartitionSpec(*costlib.Layout(fixed).to_partition_spec())
+        or all(e is None for e in planned)
+        or (maker is not None and _makes_fixed(problem, maker))):
+      continue
+    out.append(Constraint(site=op.site, slot=k, spec=planned))
+  return out
+
+
+def _makes_fixed(problem: Problem, op_index: int) -> bool:
+  rule = problem.rules.get(problem.view.op_canon.get(op_index, op_index))
+  return rule is not None and bool(rule.fixed_outputs)
 
 
 def _on_fixed_shards(problem: Problem, op_index: int) -> bool:

@@ -504,6 +504,7 @@ def recompute_tables(problem: Problem, builder: TableBuilder,
   """Cost tables of the recomputed ops the search looks at (the folded view's copies,
   each weighted by the instances it stands for): their compute and collectives again."""
   in_view = set(problem.view.ops)
+  kernel_reads = _backward_fixed_reads(problem, builder)
   out = []
   for r in remats:
     if isinstance(r, ScanRemat):
@@ -513,7 +514,9 @@ def recompute_tables(problem: Problem, builder: TableBuilder,
         continue
       w = problem.view.weight.get(i, 1)
       op = problem.graph.ops[i]
-      tabs = builder.op_tables(op) + [builder.resolve_table(v) for v in op.outputs]
+      shared = _shared_fixed_reads(problem, op, kernel_reads)
+      tabs = (builder.op_tables(op, shared=shared)
+              + [builder.resolve_table(v) for v in op.outputs])
       out += [t if w == 1 else Table(t.scope, t.value * w, t.comm * w)
               for t in tabs if t is not None]
     for v in r.params:  # gathered again for the backward (zero where used as stored)
@@ -525,6 +528,38 @@ def recompute_tables(problem: Problem, builder: TableBuilder,
       if t is not None:
         out.append(t if w == 1 else Table(t.scope, t.value * w, t.comm * w))
   return out
+
+
+def _backward_fixed_reads(problem: Problem, builder: TableBuilder) -> frozenset[tuple]:
+  """(classes per dim, fixed layout) of each operand a backward op on shards the
+  program fixed reads (a `jax.shard_map`'s backward kernel reading q, k and v)."""
+  out = set()
+  for op in builder.ops:
+    rule = problem.rules[op.index]
+    if rule.fixed_inputs and is_backward(op):
+      out.update(_fixed_read(problem, op, k) for k in range(len(op.inputs)))
+  return frozenset(out) - {None}
+
+
+def _shared_fixed_reads(problem: Problem, op: Op, kernel_reads: frozenset[tuple]
+                        ) -> frozenset[int]:
+  """Slots of a recomputed op on fixed shards whose reshard the backward kernel's read
+  of the same value pays for: both run in the backward, from one layout into one
+  fixed layout, and the compiler reshards once for both (TPU compiler, a scanned
+  LLaMA under FSDP with full remat and its attention in a shard_map: three all-to-alls
+  per layer in the backward for q, k and v, not six)."""
+  if not problem.rules[op.index].fixed_inputs:
+    return frozenset()
+  return frozenset(k for k in range(len(op.inputs))
+                   if _fixed_read(problem, op, k) in kernel_reads)
+
+
+def _fixed_read(problem: Problem, op: Op, k: int) -> tuple | None:
+  fixed, v = problem.rules[op.index].fixed_input(k), op.inputs[k]
+  if fixed is None or v in problem.graph.literals:
+    return None
+  rank = len(problem.graph.types[v].shape)
+  return tuple(problem.vclass(v, d) for d in range(rank)), fixed
 
 
 def _regathered_slices(problem: Problem, builder: TableBuilder, r: ScanRemat

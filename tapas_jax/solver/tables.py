@@ -252,25 +252,27 @@ class TableBuilder:
       outs.append(costlib.Layout(out, partial=_arriving_partial(out, part)))
     return tuple(ins), tuple(outs)
 
-  def op_tables(self, op: Op) -> list[Table | None]:
+  def op_tables(self, op: Op, shared: frozenset[int] = frozenset()) -> list[Table | None]:
     """The op's cost as tables. An op with no factors (replicated: an unknown
     primitive, a loop kept whole) couples nothing, so each input edge gets a table of
     its own: one joint table over every operand's classes would grow without bound.
+    `shared`: operand slots whose reshard another op's read already pays for.
     """
     if op.index in self.dead or all(self.p.cv(v) in self.p.free_values
                                      for v in op.outputs):
       return []  # XLA removes it, or folds it into its readers (a causal mask)
     if self.p.rules[op.index].factor_sizes:
-      return [self.op_table(op)]
-    return [self.op_table(op, only=k) for k in range(len(op.inputs))]
+      return [self.op_table(op, shared=shared)]
+    return [self.op_table(op, only=k, shared=shared) for k in range(len(op.inputs))]
 
-  def op_table(self, op: Op, only: int | None = None) -> Table | None:
+  def op_table(self, op: Op, only: int | None = None,
+               shared: frozenset[int] = frozenset()) -> Table | None:
     p, g = self.p, self.p.graph
     rule = p.rules[op.index]
     fclass = self.factor_classes(op)
     edges = []
     for k, v in enumerate(op.inputs):
-      if v in g.literals or not g.types[v].shape or only not in (None, k):
+      if v in g.literals or not g.types[v].shape or only not in (None, k) or k in shared:
         continue
       if p.cv(v) in p.free_values:
         continue  # made where it is read, in any layout (a causal mask)

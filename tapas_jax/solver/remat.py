@@ -537,7 +537,7 @@ def _backward_fixed_reads(problem: Problem, builder: TableBuilder) -> frozenset[
   for op in builder.ops:
     rule = problem.rules[op.index]
     if rule.fixed_inputs and is_backward(op):
-      out.update(_fixed_read(problem, op, k) for k in range(len(op.inputs)))
+      out.update(_kernel_read(problem, op, k) for k in range(len(op.inputs)))
   return frozenset(out) - {None}
 
 
@@ -551,10 +551,11 @@ def _shared_fixed_reads(problem: Problem, op: Op, kernel_reads: frozenset[tuple]
   if not problem.rules[op.index].fixed_inputs:
     return frozenset()
   return frozenset(k for k in range(len(op.inputs))
-                   if _fixed_read(problem, op, k) in kernel_reads)
+                   if _kernel_read(problem, op, k) in kernel_reads)
 
 
-def _fixed_read(problem: Problem, op: Op, k: int) -> tuple | None:
+def _kernel_read(problem: Problem, op: Op, k: int) -> tuple | None:
+  """(classes per dim of the operand, the fixed layout it is read in), or None."""
   fixed, v = problem.rules[op.index].fixed_input(k), op.inputs[k]
   if fixed is None or v in problem.graph.literals:
     return None

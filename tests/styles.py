@@ -736,6 +736,39 @@ def shard_mapped_attention(mesh, attention=None, batch=8, seq=512, heads=4, head
   return step, (params, opt.init(params)), jax.random.normal(keys[4], (batch, seq, width))
 
 
+def llama_with_shard_mapped_attention(monkeypatch, mesh, seq=512, width=512, batch=8):
+  """(step, state, batch) of the zoo's scanned LLaMA (bf16 compute, f32 weights) whose
+  attention runs inside a `jax.shard_map` over `mesh` with the batch on data and the
+  heads on model (k and v repeated to the query heads), as `scripts/bench_flash.py`
+  runs Pallas' kernel at real scale; causal softmax attention in XLA ops per device.
+  `monkeypatch` swaps the zoo's attention for the test's duration."""
+  from tapas_jax import models  # noqa: PLC0415 - only the tests that ask load the zoo
+  from tapas_jax.models import llama  # noqa: PLC0415
+  spec = jax.sharding.PartitionSpec("data", "model", None, None)
+  plain, devices = llama.attend, mesh.size
+
+  def causal(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+
+  def kernel_attend(config, q, k, v):
+    n, length, heads, head_dim = q.shape
+    if n % devices:  # the model's init traces one example
+      return plain(config, q, k, v)
+    k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
+    run = jax.shard_map(causal, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                        check_vma=False)
+    out = run(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)))
+    return out.transpose(0, 2, 1, 3).reshape(n, length, heads * head_dim)
+
+  monkeypatch.setattr(llama, "attend", kernel_attend)
+  m = models.get_model("llama", "tiny", dtype="bfloat16", param_dtype="float32",
+                       scan_layers=True, seq_len=seq, d_model=width, num_heads=8,
+                       num_kv_heads=2, d_ff=2 * width, vocab_size=1024)
+  return m.train_step(), m.abstract_state(), m.batch_spec(batch)
+
+
 def auto_mesh(shape, names, devices):
   """A mesh of Auto axes over these devices (as users build one for shard_map)."""
   return jax.sharding.Mesh(np.array(devices).reshape(shape), names,

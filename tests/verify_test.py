@@ -403,36 +403,6 @@ def test_the_state_in_the_compilers_layouts_drops_the_updates_copies(libtpu):
   assert 0.9 < auto.live_ratio < 1.1 and default.live_ratio < 0.95
 
 
-def _llama_with_shard_mapped_attention(monkeypatch, mesh, devices):
-  """(step, state, batch) of a scanned LLaMA whose attention runs inside a
-  `jax.shard_map` with the batch on data and the heads on model (k and v repeated to
-  the query heads), as `scripts/bench_flash.py` runs Pallas' kernel at real scale."""
-  from tapas_jax.models import llama  # noqa: PLC0415 - its attention is swapped here
-  spec = jax.sharding.PartitionSpec("data", "model", None, None)
-  plain = llama.attend
-
-  def causal(q, k, v):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
-
-  def kernel_attend(config, q, k, v):
-    batch, length, heads, head_dim = q.shape
-    if batch % devices:  # the model's init traces one example
-      return plain(config, q, k, v)
-    k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
-    run = jax.shard_map(causal, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-                        check_vma=False)
-    out = run(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)))
-    return out.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
-
-  monkeypatch.setattr(llama, "attend", kernel_attend)
-  m = models.get_model("llama", "tiny", dtype="bfloat16", param_dtype="float32",
-                       scan_layers=True, seq_len=512, d_model=512, num_heads=8,
-                       num_kv_heads=2, d_ff=1024, vocab_size=1024)
-  return m.train_step(), m.abstract_state(), m.batch_spec(8)
-
-
 @pytest.mark.parametrize("remat", [None, "nothing_saveable"])
 def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monkeypatch,
                                                                    remat):
@@ -443,7 +413,7 @@ def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monke
   recomputed kernel and the backward kernel share one reshard of each operand. The
   compiled collectives are the predicted bytes (4% apart before either)."""
   mesh = tapas.tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})
-  step, state, batch = _llama_with_shard_mapped_attention(monkeypatch, mesh, 4)
+  step, state, batch = styles.llama_with_shard_mapped_attention(monkeypatch, mesh)
   plan = baselines.baseline("fsdp", step, state, batch, mesh={"data": 2, "model": 2},
                             device="tpu-v5p", family="llama", remat=remat)
   record = tapas.verify(plan, step, state, batch, topology="v5p:2x2x1", donate_argnums=0)

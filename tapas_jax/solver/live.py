@@ -31,7 +31,7 @@ from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_bindings, scan_region
 from tapas_jax.trace import Op
 
-__all__ = ["Activations", "activations", "loop_body_values"]
+__all__ = ["Activations", "activations", "kernel_share", "loop_body_values"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +296,10 @@ class _Made:
            len(self.prog.graph.types[v].shape), bool(op.subregions))
     return self.of[key] if key in self.of else self.of.setdefault(key, _made(problem, op, v))
 
+  def nbytes(self, op, slot: int, v: int) -> float:
+    """v's bytes as made (`_made_bytes`: a device's share of a kernel's result)."""
+    return _made_bytes(self.problem, op, slot, self.prog.graph.types[v].nbytes)
+
   def partial_classes(self, op_index: int) -> tuple[int, ...]:
     """`_partial_classes(problem, op_index)`, one per op standing for others."""
     canon = self.problem.view.op_canon.get(op_index, op_index)
@@ -391,9 +395,9 @@ def _add_loop_bodies(entries: Entries, problem: Problem, prog: LiveProgram) -> N
     op = prog.top[j]
     if op.index in prog.live:
       rep = canon.get(op.index, op.index)
-      for v, made in body[rep] if rep in body else body.setdefault(
+      for v, made, nbytes in body[rep] if rep in body else body.setdefault(
           rep, loop_body_values(problem, op)):
-        entries.add(j, j, g.types[v].nbytes, v, made)
+        entries.add(j, j, nbytes, v, made)
 
 
 def _add_gathered_inputs(entries: Entries, problem: Problem, prog: LiveProgram) -> None:
@@ -631,20 +635,59 @@ def _made(problem: Problem, op, v) -> tuple[int | None, ...] | None:
   if rule is None:
     if not op.subregions:
       return None
-    return tuple(problem.vclass(v, d) for d in range(len(problem.graph.types[v].shape)))
+    rank = len(problem.graph.types[v].shape)
+    if _fixed_made(problem, op, op.outputs.index(v)) is not None:
+      return (None,) * rank  # a stack of a kernel's result: its share, `_made_bytes`
+    return tuple(problem.vclass(v, d) for d in range(rank))
   return tuple(None if f is None else problem.vclass(v, d)
                for d, f in enumerate(rule.outputs[op.outputs.index(v)]))
 
 
 def _made_bytes(problem: Problem, op, slot: int, nbytes: int) -> float:
   """Bytes of an op's result `slot` as made: a device's share where the program fixed
-  the shards it is made on (a `jax.shard_map`'s result: its classes are whole), else
-  the whole value's, which the entry's classes divide."""
-  rule = problem.rules.get(problem.view.op_canon.get(op.index, op.index))
-  fixed = rule.fixed_output(slot) if rule is not None else None
+  the shards it is made on (a `jax.shard_map`'s result, or a scan's stack of one: its
+  classes are whole), else the whole value's, which the entry's classes divide."""
+  fixed = _fixed_made(problem, op, slot)
   if fixed is None:
     return nbytes
   return nbytes / costlib.num_shards(costlib.Layout(fixed), problem.mesh)
+
+
+def kernel_share(problem: Problem, v: int) -> float | None:
+  """A device's bytes of v where a kernel fixed the shards it is made on (`_fixed_made`),
+  else None (its classes divide it)."""
+  g = problem.graph
+  if v not in g.producer:
+    return None
+  op = g.ops[g.producer[v]]
+  slot = op.outputs.index(v)
+  if _fixed_made(problem, op, slot) is None:
+    return None
+  return _made_bytes(problem, op, slot, g.types[v].nbytes)
+
+
+def _fixed_made(problem: Problem, op, slot: int) -> tuple | None:
+  """The fixed layout an op's result `slot` is made in: a `jax.shard_map`'s per its
+  `out_specs`; a scan's stack of a body value a shard_map makes, that layout under the
+  stacked dim (the compiler stacks the kernel's residuals as the kernel made them, one
+  device's share each: a scanned LLaMA under FSDP with its attention in a shard_map,
+  TPU compiler). None where nothing fixes it."""
+  g = problem.graph
+  rep = g.ops[problem.view.op_canon.get(op.index, op.index)]
+  rule = problem.rules.get(rep.index)
+  if rule is not None:
+    return rule.fixed_output(slot)
+  if not rep.subregions or scan_region(g, rep) is None:
+    return None
+  v = rep.outputs[slot]
+  for outer, inner, shift in scan_bindings(g, rep):
+    if outer == v and shift == 1 and inner in g.producer:
+      maker = g.ops[g.producer[inner]]
+      inner_rule = problem.rules.get(maker.index)
+      fixed = (inner_rule.fixed_output(maker.outputs.index(inner))
+               if inner_rule is not None else None)
+      return None if fixed is None else ((),) + tuple(fixed)
+  return None
 
 
 def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
@@ -660,13 +703,13 @@ def _partial_classes(problem: Problem, op_index: int) -> tuple[int, ...]:
 
 
 def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
-                      ) -> list[tuple[int, tuple]]:
-  """(value, classes as made) of what one iteration of a counted loop writes out and
-  holds at the body's own peak (whole bytes, in body order: each value from the op
-  making it to its last reader in the body, the body's outputs to its end, or, where
-  the compiler writes a stacked slice into its stack as it is made
-  (`DeviceProfile.stacks_in_place`), only the carries), counted
-  live together while the loop runs (the blocks of a chunked attention's scores; a
+                      ) -> list[tuple[int, tuple, float]]:
+  """(value, classes as made, bytes as made: `_made_bytes`) of what one iteration of a
+  counted loop writes out and holds at the body's own peak (in body order: each value
+  from the op making it to its last reader in the body, the body's outputs to its end,
+  or, where the compiler writes a stacked slice into its stack as it is made
+  (`DeviceProfile.stacks_in_place`), only the carries), counted live together while
+  the loop runs (the blocks of a chunked attention's scores; a
   scanned layer's activations). A copy of a layer the view folds away is costed as
   its representative's loop. `dropped`: output slots the loop no longer writes (a
   scan remat's residuals, recomputed in the backward loop instead)."""
@@ -696,7 +739,8 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
           or (problem.cv(v), 0) not in problem.value_class):
         continue
       out.append((v, tuple(None if f is None else problem.vclass(v, d)
-                           for d, f in enumerate(rule.outputs[slot]))))
+                           for d, f in enumerate(rule.outputs[slot])),
+                  _made_bytes(problem, o, slot, g.types[v].nbytes)))
       last = len(body) if v in outputs else max(
           [pos[c] for c in g.consumers.get(v, ()) if c in pos], default=j)
       span.append((j, last))
@@ -707,14 +751,15 @@ def loop_body_values(problem: Problem, op, dropped: Iterable[int] = ()
   for loop, _, inner, read in problem.scan_cuts:
     if read and loop == rep.index and g.types[inner].shape:
       out.append((inner, tuple(problem.value_class[(inner, d)]
-                               for d in range(len(g.types[inner].shape)))))
+                               for d in range(len(g.types[inner].shape))),
+                  g.types[inner].nbytes))
       span.append((0, max([pos[c] for c in g.consumers.get(inner, ()) if c in pos],
                           default=0)))
   if not out:
     return out
   live_bytes = np.zeros(len(body) + 2)
-  for (v, _), (a, b) in zip(out, span):
-    live_bytes[a:b + 1] += g.types[v].nbytes
+  for (_, _, nbytes), (a, b) in zip(out, span):
+    live_bytes[a:b + 1] += nbytes
   at = int(np.argmax(live_bytes))
   return [entry for entry, (a, b) in zip(out, span) if a <= at <= b]
 

@@ -65,7 +65,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
-from tapas_jax.solver.live import Activations, loop_body_values
+from tapas_jax.solver.live import Activations, kernel_share, loop_body_values
 from tapas_jax.solver.live_program import Entries
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
@@ -380,8 +380,9 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         extra.add(first, max((pos[b] for b in readers), default=first), acts.nbytes[k],
                   v, acts.dims[k])
       # A recomputed loop holds its body's values again while it runs, there.
-      for v, made in loop_body_values(problem, g.ops[p]) if g.ops[p].subregions else ():
-        extra.add(first, first, g.types[v].nbytes, v, made)
+      for v, made, size in (loop_body_values(problem, g.ops[p]) if g.ops[p].subregions
+                            else ()):
+        extra.add(first, first, size, v, made)
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
   return acts.with_entries(extra, start=start, stop=stop)
@@ -404,12 +405,12 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   extra = Entries()
   for r in scans:  # the forward body's own peak, without the residuals it drops
     at, drop = pos[r.forward], {s for _, s in r.dropped}
-    mine = {v for v, _ in loop_body_values(problem, g.ops[r.forward])}
+    mine = {v for v, _, _ in loop_body_values(problem, g.ops[r.forward])}
     for k, v in enumerate(acts.values):
       if acts.start[k] == at == acts.stop[k] and v in mine:
         nbytes[k] = 0.0
-    for v, made in loop_body_values(problem, g.ops[r.forward], drop):
-      extra.add(at, at, g.types[v].nbytes, v, made)
+    for v, made, size in loop_body_values(problem, g.ops[r.forward], drop):
+      extra.add(at, at, size, v, made)
 
   def classes(v):
     if (problem.cv(v), 0) not in problem.value_class:
@@ -425,7 +426,9 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       extra.add(pos[r.forward], pos[r.backward], r.trip_count * g.types[v].nbytes, v,
                 (None,) + classes(v))
     for v in _recomputed_live(problem, r):
-      extra.add(pos[r.backward], pos[r.backward], g.types[v].nbytes, v, classes(v))
+      share = kernel_share(problem, v)  # a kernel's result: its fixed share, whole classes
+      extra.add(pos[r.backward], pos[r.backward], g.types[v].nbytes if share is None
+                else share, v, classes(v) if share is None else (None,) * len(classes(v)))
   return acts.with_entries(extra, nbytes=nbytes)
 
 

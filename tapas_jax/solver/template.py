@@ -158,8 +158,9 @@ def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callabl
   `readers(v)`: the ops counted as reading v (live, not
   fed into the update, ...); `reach(v)`: v's last reader's position (-1: none);
   `made(op, slot, v)`: the classes v is written over, None where `_add_made` adds no
-  entry for it; `unmapped`: ops whose neighbourhood the walk treats apart (a
-  convolution's transposed copies): their layer is walked directly; `cuts(v)`: the
+  entry for it (`made.nbytes(op, slot, v)`: its bytes as made); `unmapped`: ops whose
+  neighbourhood the walk treats apart (a convolution's transposed copies): their layer
+  is walked directly; `cuts(v)`: the
   (reader, classes) of v's copies read through a cut (`live._cut_copies`; falsy: no
   cuts); `known` (`Reach.known`) gets each mapped value's last reader."""
   g, pos = prog.graph, prog.lineup.pos
@@ -230,7 +231,7 @@ def _layer(prog: LiveProgram, c: Copies, pos, op_flags, readers, reach, made, cu
   # Each op of the representative: its entries, mapped when every value it writes out
   # is, and every copy writes out what it does: (column, op, start, stop, classes,
   # stored), the last three as positions in the layer.
-  entries, skip = [], []
+  entries, skip, col_bytes = [], [], {}
   s = 0
   for k, i in enumerate(c.rep):
     op = g.ops[i]
@@ -239,6 +240,7 @@ def _layer(prog: LiveProgram, c: Copies, pos, op_flags, readers, reach, made, cu
       classes = made(op, slot, v) if flags["ops"][0][i] else None
       if classes is not None:
         own.append((s + slot, v, classes))
+        col_bytes[s + slot] = made.nbytes(op, slot, v)
     n, s = s, s + len(op.outputs)
     if not (alike[n:s].all() and all(last[col] != -2 for col, _, _ in own)):
       continue
@@ -252,7 +254,7 @@ def _layer(prog: LiveProgram, c: Copies, pos, op_flags, readers, reach, made, cu
   if not entries:
     return skip_pos, *(np.zeros(0, int),) * 3, np.zeros(0), np.zeros(0, int), (), ()
   cols, op_at, start, stop = (np.array(x, int) for x in list(zip(*entries))[:4])
-  nbytes = np.array([g.types[c.rep_values[col]].nbytes for col in cols.tolist()], float)
+  nbytes = np.array([col_bytes[col] for col in cols.tolist()], float)
   m = len(c.ops)
   return (skip_pos, pos[ops[:, op_at]].ravel(), pos[ops[:, start]].ravel(),
           pos[ops[:, stop]].ravel(), np.tile(nbytes, m), values[:, cols].ravel(),

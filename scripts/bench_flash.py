@@ -15,6 +15,7 @@ with the heads over `model` (`--spec=megatron`); k and v are repeated to the que
 """
 
 import argparse
+import json
 import math
 import os
 import time
@@ -33,6 +34,11 @@ def main():
   parser.add_argument("--spec", default="fsdp", choices=("fsdp", "megatron"))
   parser.add_argument("--layouts", default="fsdp:nothing_saveable,tapas",
                       help="tapas, or a baseline; BASELINE:POLICY names its remat")
+  parser.add_argument("--body", default="pallas", choices=("pallas", "xla"),
+                      help="the kernel: Pallas' flash attention, or softmax attention in "
+                           "XLA ops per device")
+  parser.add_argument("--overrides", default="{}",
+                      help='config fields as JSON, e.g. {"seq_len": 512, "d_model": 512}')
   a = parser.parse_args()
   import jax  # noqa: PLC0415 - after the environment is set
   import jax.numpy as jnp  # noqa: PLC0415
@@ -50,25 +56,32 @@ def main():
   run_mesh = tapas.tpu_mesh(a.topology, mesh)
   plain = llama.attend
 
+  def softmax(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+
   def flash(config, q, k, v):
     batch, length, heads, head_dim = q.shape
     if batch % devices:  # the model's init traces one example
       return plain(config, q, k, v)
     k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
-    kernel = jax.shard_map(
-        lambda q, k, v: fa.flash_attention(q, k, v, causal=True,
-                                           sm_scale=1 / math.sqrt(head_dim)),
-        mesh=run_mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    body = (softmax if a.body == "xla" else
+            lambda q, k, v: fa.flash_attention(q, k, v, causal=True,
+                                               sm_scale=1 / math.sqrt(head_dim)))
+    kernel = jax.shard_map(body, mesh=run_mesh, in_specs=(spec,) * 3, out_specs=spec,
+                           check_vma=False)
     out = kernel(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)))
     return out.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
 
   llama.attend = flash
   m = models.get_model("llama", a.model, dtype="bfloat16", param_dtype="float32",
-                       scan_layers=not a.unrolled)
+                       scan_layers=not a.unrolled, **json.loads(a.overrides))
   args = (m.train_step(), m.abstract_state(), m.batch_spec(a.per_device_batch * devices))
   print(f"{a.model}, {m.config.num_layers} layers{'' if a.unrolled else ' scanned'}, seq "
         f"{m.config.seq_len}, {a.per_device_batch} per chip, mesh {mesh}, {a.topology}, "
-        f"flash attention's shard_map specs {spec}")
+        f"{'flash' if a.body == 'pallas' else 'XLA softmax'} attention's shard_map specs "
+        f"{spec}")
   for layout in a.layouts.split(","):
     name, _, remat = layout.partition(":")
     start = time.perf_counter()

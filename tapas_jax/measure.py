@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from tapas_jax import _jax_internals as jx
 
-__all__ = ["Compiled", "SLICED", "collective_bytes", "measure"]
+__all__ = ["Compiled", "SLICED", "collective_bytes", "collectives_by_op", "measure"]
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -107,8 +107,75 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
     trip count), plus "total" and `SLICED` (the part of "reduce-scatter" that XLA:CPU
     runs as all-reduce + slice).
   """
+  return _by_kind(_collectives(hlo_text, num_devices, reduce_scatter_creator))
+
+
+def _by_kind(collectives: Iterable[_Collective]) -> dict[str, float]:
   out = {k: 0.0 for k in _KINDS}
   out[SLICED] = 0.0
+  for c in collectives:
+    out[c.kind] += c.sent
+    if c.sliced:
+      out[SLICED] += c.sent
+  out["total"] = sum(out[k] for k in _KINDS)
+  return out
+
+
+def collectives_by_op(hlo_text: str, num_devices: int = 8, top: int = 10,
+                      reduce_scatter_creator: bool = True) -> tuple[tuple[str, str, float], ...]:
+  """The `top` (op name, kind, bytes sent per device per step) of partitioned HLO text,
+  most bytes first: the collectives grouped by the JAX op they were made for (their
+  `op_name` metadata, the step's `jit(...)/` prefix dropped; "?" where the compiler
+  left none), so that a profile of a planned step says which layer sends what.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from tapas_jax import make_mesh
+    >>> mesh = make_mesh({"data": 8})
+    >>> f = jax.jit(lambda x: x.sum(axis=0), in_shardings=NamedSharding(mesh, P("data")),
+    ...             out_shardings=NamedSharding(mesh, P()))
+    >>> text = f.lower(jax.ShapeDtypeStruct((64, 1024), jnp.float32)).compile().as_text()
+    >>> collectives_by_op(text)
+    (('reduce_sum', 'all-reduce', 7168.0),)
+  """
+  return _by_op(_collectives(hlo_text, num_devices, reduce_scatter_creator), top)
+
+
+def _by_op(collectives: Iterable[_Collective], top: int) -> tuple[tuple[str, str, float], ...]:
+  out: dict[tuple[str, str], float] = {}
+  for c in collectives:
+    out[(c.op_name, c.kind)] = out.get((c.op_name, c.kind), 0.0) + c.sent
+  ranked = sorted(out.items(), key=lambda kv: -kv[1])[:top]
+  return tuple((name, kind, sent) for (name, kind), sent in ranked)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collective:
+  kind: str
+  sent: float  # bytes per device per execution of the program
+  op_name: str
+  sliced: bool = False  # an all-reduce read as slices, counted as a reduce-scatter
+
+
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+
+
+def _op_name(line: str) -> str:
+  """The op a collective was made for, as a profile names it. One the compiler's
+  combiner made of several is named by the first and how many ("(a:b:c)" in HLO)."""
+  m = _OP_NAME.search(line)
+  if m is None:
+    return "?"
+  # "jit(step)/(a:b:c)": the names of the ops the combiner merged, under the step's.
+  name = re.sub(r"^jit\([^)]*\)/", "", m.group("name"))
+  parts = [re.sub(r"^jit\([^)]*\)/", "", p.strip("()")).replace("\\'", "'")
+           for p in name.split(":")]
+  return parts[0] if len(parts) == 1 else f"{parts[0]} and {len(parts) - 1} more, combined"
+
+
+def _collectives(hlo_text: str, num_devices: int, reduce_scatter_creator: bool):
+  """Each collective of the text, with the bytes it sends per device per step."""
   hlo = _Hlo.parse(hlo_text)
   runs = hlo.executions()
   for line in hlo_text.splitlines():
@@ -120,15 +187,15 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
       continue
     name = _INSTR.match(line)
     times = runs.get(hlo.where.get(name.group("name"), ""), 1) if name else 1
+    op_name = _op_name(line)
     if m.group("start"):
       result = _async_result(hlo, line, kind, m.group("result"))
     elif kind == "all-reduce" and reduce_scatter_creator:
       for nbytes, sliced in hlo.all_reduce_parts(line, m.group("result"), n):
         if sliced:
-          out["reduce-scatter"] += times * (n - 1) / n * nbytes
-          out[SLICED] += times * (n - 1) / n * nbytes
+          yield _Collective("reduce-scatter", times * (n - 1) / n * nbytes, op_name, True)
         else:
-          out["all-reduce"] += times * 2 * (n - 1) / n * nbytes
+          yield _Collective("all-reduce", times * 2 * (n - 1) / n * nbytes, op_name)
       continue
     else:
       result = _bytes(m.group("result"))
@@ -142,9 +209,7 @@ def collective_bytes(hlo_text: str, num_devices: int = 8,
       sent = (n - 1) / n * result
     else:
       sent = float(result)
-    out[kind] += times * sent
-  out["total"] = sum(out[k] for k in _KINDS)
-  return out
+    yield _Collective(kind, times * sent, op_name)
 
 
 def _async_result(hlo: "_Hlo", line: str, kind: str, start_type: str) -> int:
@@ -344,6 +409,7 @@ class Compiled:
       `peak_memory_in_bytes`; 0 where it gives none). On the TPU compiler it can be far
       below `memory_bytes` for a loop nested in a scanned stack (BENCHMARKS.md, "What
       memory_analysis counts").
+    comm_by_op: the ten largest (op name, kind, bytes) (`collectives_by_op`).
   """
 
   comm_bytes: dict[str, float]
@@ -353,6 +419,7 @@ class Compiled:
   temp_bytes: int
   flops: float
   live_peak_bytes: int = 0
+  comm_by_op: tuple[tuple[str, str, float], ...] = ()
 
   @property
   def memory_bytes(self) -> int:
@@ -371,8 +438,8 @@ def measure(compiled: Any, num_devices: int, reduce_scatter_creator: bool = True
       reduce-scatters).
   """
   mem = compiled.memory_analysis()
-  return Compiled(comm_bytes=collective_bytes(compiled.as_text(), num_devices,
-                                              reduce_scatter_creator),
+  found = list(_collectives(compiled.as_text(), num_devices, reduce_scatter_creator))
+  return Compiled(comm_bytes=_by_kind(found), comm_by_op=_by_op(found, 10),
                   argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes),

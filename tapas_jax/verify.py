@@ -101,6 +101,9 @@ class Verified:
       With a loop nested in a scanned stack the TPU compiler's `temp_bytes` holds more
       than any buffer it assigns (its heap included), so `peak_bytes` can be 1.3x the
       live peak at scale (BENCHMARKS.md, "What memory_analysis counts").
+    comm_by_op: the largest collectives by the op of the step they were made for:
+      (op name as in a profile, kind, bytes sent per device per step), most first
+      (`measure.collectives_by_op`): which layer sends what.
   """
 
   plan_name: str
@@ -120,6 +123,7 @@ class Verified:
   compile_s: float
   error: str = ""
   live_peak_bytes: int = 0
+  comm_by_op: tuple[tuple[str, str, float], ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -212,6 +216,10 @@ class Verified:
       if kind != "total" and sent:
         lines.append(f"    {kind:<38} {gib(sent):>12}")
     lines.append(f"  {'compiler FLOPs':<22} {self.flops:>12.4g}")
+    if self.comm_by_op:
+      lines.append("  largest collectives, by the op they were made for:")
+      lines += [f"    {gib(sent):>12}  {kind:<15} {name if len(name) < 80 else '...' + name[-77:]}"
+                for name, kind, sent in self.comm_by_op[:5]]
     return "\n".join(lines)
 
   def _repr_html_(self) -> str:
@@ -434,4 +442,4 @@ def verify(plan: planlib.Plan, fn: Callable[..., Any], *args: Any, topology: str
                   alias_bytes=got.alias_bytes, temp_bytes=got.temp_bytes, hbm_bytes=hbm,
                   hbm_source=source, comm_bytes=dict(got.comm_bytes), flops=got.flops,
                   compile_s=time.perf_counter() - start, live_peak_bytes=got.live_peak_bytes,
-                  **base)
+                  comm_by_op=got.comm_by_op, **base)

@@ -537,3 +537,24 @@ def test_library_styles_bytes_agree_with_the_tpu_compiler(libtpu, style, layout,
   sent = _tpu_bytes(plan, p.step, p.state, p.batch)
   assert sent > 0
   assert plan.stats.predicted_comm_bytes == pytest.approx(sent, rel=rel)
+
+
+def test_the_collectives_are_named_by_the_ops_they_were_made_for():
+  """`collectives_by_op` sorts a planned step's bytes by the op of the step each
+  collective was made for (its `op_name`, as a profile shows it): together they are
+  every byte `collective_bytes` counts, each named; a combined gradient reduction by its
+  first gradient and how many it merged."""
+  m = models.get_model("gpt", "tiny")
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plan = baselines.baseline("fsdp", *args, mesh={"data": 2, "model": 4}, device="cpu")
+  mesh = tapas.make_mesh({"data": 2, "model": 4})
+  text = tapas.apply(plan, args[0], mesh=mesh).lower(*args[1:]).compile().as_text()
+  named = measure.collectives_by_op(text, 8, top=10**6)
+  assert sum(sent for _, _, sent in named) == pytest.approx(
+      measure.collective_bytes(text, 8)["total"], rel=1e-12)
+  assert [s for _, _, s in named] == sorted((s for _, _, s in named), reverse=True)
+  names = {name for name, _, _ in named}
+  assert "?" not in names and any(kind == "all-gather" for _, kind, _ in named), named
+  assert any(re.fullmatch(r"transpose\(jvp\(GPT\)\)/Block_\d/.+ and \d+ more, combined", n)
+             for n in names), names
+  assert len(measure.collectives_by_op(text, 8, top=3)) == 3

@@ -421,6 +421,11 @@ def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monke
   compiled = record.comm_bytes["total"]
   assert compiled == pytest.approx(record.predicted_comm_bytes, rel=0.01), record.summary()
   assert record.comm_bytes["all-to-all"] > 0  # the kernel's operands are resharded
+  # The record names where: the kernel's operands (and its pinned results) alone.
+  moved = [name for name, kind, _ in record.comm_by_op if kind == "all-to-all"]
+  assert moved and all(re.search(r"shard_map|sharding_constraint", n) for n in moved), \
+      record.comm_by_op
+  assert "largest collectives, by the op they were made for" in record.summary()
 
 
 def test_a_shard_mapped_pallas_kernel_is_verified_on_the_topologys_mesh(libtpu):

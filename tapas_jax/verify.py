@@ -235,6 +235,8 @@ class Verified:
     rows += [(f"&nbsp;&nbsp;{esc(k)}", _size(v), "", "") for k, v in self.comm_bytes.items()
              if k != "total" and v]
     rows.append(("compiler FLOPs", f"{self.flops:.4g}", "", ""))
+    rows += [(f"&nbsp;&nbsp;{esc(kind)}: {esc(name)}", _size(sent), "", "")
+             for name, kind, sent in self.comm_by_op[:5]]
     verdict = (f"fits ({_size(self.fit_bytes)} of {_size(self.hbm_bytes)})" if self.fits
                else f"<b>does not fit</b>: {_size(self.missing_bytes)} short of "
                f"{_size(self.hbm_bytes)}")

@@ -5,6 +5,7 @@ cannot be loaded they skip, saying so.
 """
 
 import dataclasses
+import html
 import importlib
 import math
 import pathlib
@@ -426,6 +427,7 @@ def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monke
   assert moved and all(re.search(r"shard_map|sharding_constraint", n) for n in moved), \
       record.comm_by_op
   assert "largest collectives, by the op they were made for" in record.summary()
+  assert html.escape(moved[0]) in record._repr_html_()
 
 
 def test_a_shard_mapped_pallas_kernel_is_verified_on_the_topologys_mesh(libtpu):

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -40,43 +41,26 @@ def main():
   parser.add_argument("--overrides", default="{}",
                       help='config fields as JSON, e.g. {"seq_len": 512, "d_model": 512}')
   a = parser.parse_args()
-  import jax  # noqa: PLC0415 - after the environment is set
-  import jax.numpy as jnp  # noqa: PLC0415
+  # After the environment is set.
   from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   import tapas_jax as tapas  # noqa: PLC0415
-  from tapas_jax import baselines, models  # noqa: PLC0415
-  from tapas_jax.models import llama  # noqa: PLC0415
+  from tapas_jax import baselines  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  import styles  # noqa: PLC0415 - a test helper, on the path only here
 
   mesh = {k: int(v) for k, v in (kv.split("=") for kv in a.mesh.split(","))}
   devices = math.prod(mesh.values())
   spec = (P(tuple(mesh), None, None, None) if a.spec == "fsdp"
           else P("data", "model", None, None))
-  run_mesh = tapas.tpu_mesh(a.topology, mesh)
-  plain = llama.attend
 
-  def softmax(q, k, v):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), s, -1e9)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+  def flash(q, k, v):
+    return fa.flash_attention(q, k, v, causal=True, sm_scale=1 / math.sqrt(q.shape[-1]))
 
-  def flash(config, q, k, v):
-    batch, length, heads, head_dim = q.shape
-    if batch % devices:  # the model's init traces one example
-      return plain(config, q, k, v)
-    k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
-    body = (softmax if a.body == "xla" else
-            lambda q, k, v: fa.flash_attention(q, k, v, causal=True,
-                                               sm_scale=1 / math.sqrt(head_dim)))
-    kernel = jax.shard_map(body, mesh=run_mesh, in_specs=(spec,) * 3, out_specs=spec,
-                           check_vma=False)
-    out = kernel(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)))
-    return out.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
-
-  llama.attend = flash
-  m = models.get_model("llama", a.model, dtype="bfloat16", param_dtype="float32",
-                       scan_layers=not a.unrolled, **json.loads(a.overrides))
+  m = styles.llama_with_shard_mapped_attention(
+      setattr, tapas.tpu_mesh(a.topology, mesh), attention=None if a.body == "xla" else flash,
+      spec=spec, config=a.model, scan_layers=not a.unrolled, **json.loads(a.overrides))
   args = (m.train_step(), m.abstract_state(), m.batch_spec(a.per_device_batch * devices))
   print(f"{a.model}, {m.config.num_layers} layers{'' if a.unrolled else ' scanned'}, seq "
         f"{m.config.seq_len}, {a.per_device_batch} per chip, mesh {mesh}, {a.topology}, "

@@ -132,12 +132,11 @@ def collectives_by_op(hlo_text: str, num_devices: int = 8, top: int = 10,
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> from tapas_jax import make_mesh
-    >>> mesh = make_mesh({"data": 8})
-    >>> f = jax.jit(lambda x: x.sum(axis=0), in_shardings=NamedSharding(mesh, P("data")),
-    ...             out_shardings=NamedSharding(mesh, P()))
-    >>> text = f.lower(jax.ShapeDtypeStruct((64, 1024), jnp.float32)).compile().as_text()
+    >>> split = NamedSharding(make_mesh({"data": 8}), P("data"))
+    >>> text = jax.jit(lambda x: jnp.max(x, axis=0), in_shardings=split).lower(
+    ...     jax.ShapeDtypeStruct((64, 1024), jnp.float32)).compile().as_text()
     >>> collectives_by_op(text)
-    (('reduce_sum', 'all-reduce', 7168.0),)
+    (('reduce_max', 'all-reduce', 7168.0),)
   """
   return _by_op(_collectives(hlo_text, num_devices, reduce_scatter_creator), top)
 

@@ -1088,8 +1088,10 @@ def test_a_kernels_results_count_one_devices_share_in_its_body_its_stack_and_its
   FSDP was predicted at 2.4x the TPU compiler's live peak (2.9x under full remat)."""
   seq = 96  # no other value ends in (seq, seq)
   mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
-  step, state, batch = styles.llama_with_shard_mapped_attention(monkeypatch, mesh, seq=seq,
-                                                                 width=128)
+  m = styles.llama_with_shard_mapped_attention(monkeypatch.setattr, mesh, seq_len=seq,
+                                              d_model=128, num_heads=8, num_kv_heads=2,
+                                              d_ff=256, vocab_size=1024)
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(8)
   prep = api.prepare(step, (state, batch), mesh={"data": 2, "model": 2}, device="h100")
   p, folded, g = prep.problem, prep.folded, prep.problem.graph
   acts = memory.activations(p)

@@ -736,15 +736,19 @@ def shard_mapped_attention(mesh, attention=None, batch=8, seq=512, heads=4, head
   return step, (params, opt.init(params)), jax.random.normal(keys[4], (batch, seq, width))
 
 
-def llama_with_shard_mapped_attention(monkeypatch, mesh, seq=512, width=512, batch=8):
-  """(step, state, batch) of the zoo's scanned LLaMA (bf16 compute, f32 weights) whose
-  attention runs inside a `jax.shard_map` over `mesh` with the batch on data and the
-  heads on model (k and v repeated to the query heads), as `scripts/bench_flash.py`
-  runs Pallas' kernel at real scale; causal softmax attention in XLA ops per device.
-  `monkeypatch` swaps the zoo's attention for the test's duration."""
+def llama_with_shard_mapped_attention(patch, mesh, attention=None, spec=None, config="tiny",
+                                      scan_layers=True, **fields):
+  """The zoo's LLaMA (bf16 compute, f32 weights; a `models.Model`) whose attention runs
+  inside a `jax.shard_map` over `mesh`, as MaxText runs Pallas' flash attention
+  (`scripts/bench_flash.py` at real scale): `attention(q, k, v)` per device on
+  [batch, heads, seq, head_dim] (default causal softmax attention in XLA ops), `spec`
+  its operands' and result's PartitionSpec (default batch on data, heads on model), k
+  and v repeated to the query heads. `patch(module, name, value)` swaps the zoo's
+  attention (`monkeypatch.setattr` in a test, `setattr` in a script); `fields`
+  override the config's."""
   from tapas_jax import models  # noqa: PLC0415 - only the tests that ask load the zoo
   from tapas_jax.models import llama  # noqa: PLC0415
-  spec = jax.sharding.PartitionSpec("data", "model", None, None)
+  spec = spec or jax.sharding.PartitionSpec("data", "model", None, None)
   plain, devices = llama.attend, mesh.size
 
   def causal(q, k, v):
@@ -757,16 +761,19 @@ def llama_with_shard_mapped_attention(monkeypatch, mesh, seq=512, width=512, bat
     if n % devices:  # the model's init traces one example
       return plain(config, q, k, v)
     k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
-    run = jax.shard_map(causal, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-                        check_vma=False)
+    run = jax.shard_map(attention or causal, mesh=mesh, in_specs=(spec,) * 3,
+                        out_specs=spec, check_vma=False)
     out = run(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)))
     return out.transpose(0, 2, 1, 3).reshape(n, length, heads * head_dim)
 
-  monkeypatch.setattr(llama, "attend", kernel_attend)
-  m = models.get_model("llama", "tiny", dtype="bfloat16", param_dtype="float32",
-                       scan_layers=True, seq_len=seq, d_model=width, num_heads=8,
-                       num_kv_heads=2, d_ff=2 * width, vocab_size=1024)
-  return m.train_step(), m.abstract_state(), m.batch_spec(batch)
+  patch(llama, "attend", kernel_attend)
+  return models.get_model("llama", config, dtype="bfloat16", param_dtype="float32",
+                          scan_layers=scan_layers, **fields)
+
+
+# The small scanned LLaMA of the kernel tests: width 512, seq 512, 8 heads over 2 kv heads.
+SMALL_KERNEL_LLAMA = dict(seq_len=512, d_model=512, num_heads=8, num_kv_heads=2, d_ff=1024,
+                          vocab_size=1024)
 
 
 def auto_mesh(shape, names, devices):

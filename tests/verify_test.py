@@ -414,7 +414,9 @@ def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monke
   recomputed kernel and the backward kernel share one reshard of each operand. The
   compiled collectives are the predicted bytes (4% apart before either)."""
   mesh = tapas.tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})
-  step, state, batch = styles.llama_with_shard_mapped_attention(monkeypatch, mesh)
+  m = styles.llama_with_shard_mapped_attention(monkeypatch.setattr, mesh,
+                                              **styles.SMALL_KERNEL_LLAMA)
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(8)
   plan = baselines.baseline("fsdp", step, state, batch, mesh={"data": 2, "model": 2},
                             device="tpu-v5p", family="llama", remat=remat)
   record = tapas.verify(plan, step, state, batch, topology="v5p:2x2x1", donate_argnums=0)

@@ -259,8 +259,7 @@ def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Const
   g, rules, out = problem.graph, problem.rules, []
 
   def on_fixed(i):
-    rule = rules.get(i)
-    return bool(rule and (rule.fixed_outputs or rule.fixed_inputs))
+    return _makes_fixed(problem, i) or _on_fixed_shards(problem, i)
 
   # Scanned layers' bodies too: `apply` pins inside a loop by running its body itself.
   ops = [g.ops[i] for i in problem.view.ops if on_fixed(i)]
@@ -315,13 +314,16 @@ def _fixed_read(problem: Problem, spec, op, rule) -> list[Constraint]:
 
 
 def _makes_fixed(problem: Problem, op_index: int) -> bool:
-  rule = problem.rules.get(problem.view.op_canon.get(op_index, op_index))
-  return rule is not None and bool(rule.fixed_outputs)
+  return bool(getattr(_rule(problem, op_index), "fixed_outputs", ()))
 
 
 def _on_fixed_shards(problem: Problem, op_index: int) -> bool:
-  rule = problem.rules.get(problem.view.op_canon.get(op_index, op_index))
-  return rule is not None and bool(rule.fixed_inputs)
+  return bool(getattr(_rule(problem, op_index), "fixed_inputs", ()))
+
+
+def _rule(problem: Problem, op_index: int):
+  """The rule of the op standing for `op_index` (None: no rule, a loop)."""
+  return problem.rules.get(problem.view.op_canon.get(op_index, op_index))
 
 
 def _made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:

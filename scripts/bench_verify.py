@@ -8,6 +8,8 @@ style layers, stacked parameters):
 
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --batch=8
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --zoo_config=small
+  JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:2x2x1 --zoo_config=small \
+      --scan --families=gpt,vit,llama --state_layouts=auto
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --topology=v5p:4x4x4 --mesh=data:8,model:8 \
       --batch=64 --layouts=data_parallel,fsdp,megatron
   JAX_PLATFORMS=cpu python scripts/bench_verify.py --styles=all --layers=4 \
@@ -120,7 +122,7 @@ def _programs(a):
   for family in families.split(","):
     config, trimmed = (models.SMALL[family] if a.zoo_config == "small"
                        else (a.zoo_config, {}))
-    m = models.get_model(family, config, **trimmed)
+    m = models.get_model(family, config, **trimmed, **({"scan_layers": True} if a.scan else {}))
     yield family, (m.train_step(), m.abstract_state(), m.batch_spec(a.batch))
 
 
@@ -209,7 +211,8 @@ def main():
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--per_device_batch", type=int, default=3)
-  p.add_argument("--scan", action="store_true")
+  p.add_argument("--scan", action="store_true",
+                 help="layers under nn.scan (--real; the zoo families that have scan_layers)")
   p.add_argument("--dump", default=None, help="folder for the compiled TPU HLO (--real)")
   p.add_argument("--dumps", action="store_true",
                  help="zoo: a column more, the peak the compiler's live-range dump lists "

@@ -463,3 +463,28 @@ def test_a_shard_maps_results_are_pinned_where_the_plan_holds_them_otherwise():
   pinned = [c for c in plan.constraints if (tuple(c.site), c.slot) in sites]
   assert pinned and all(c.spec[0] == ("data", "model") for c in pinned), plan.constraints
   _runs_as_unsharded(plan, step, state, x, mesh=mesh)
+
+
+def test_a_searched_loop_is_pinned_where_it_reads_and_makes_its_carry(two_steps):
+  """A scan's body is searched in place but is no op of its own: its carry was left to
+  XLA, which carried a split of positions from the loss head back into the loop (the
+  TPU compiler then gathered each layer's stacked weights; verify_test's
+  `test_a_searched_scan_body_compiles_as_planned`). Each array the loop reads is pinned
+  at the scan in the plan's layout and each of its results where it is read; the step
+  computes as unsharded."""
+  m = models.get_model("llama", "tiny", scan_layers=True)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plan = tapas.search(*args, mesh=MESH, device="tpu-v5p")
+  graph = trace.trace(*args)
+  pinned = {(tuple(c.site), c.slot) for c in plan.constraints}
+  loops = [op for op in graph.ops if op.primitive == "scan" and op.region == 0]
+  assert loops
+  for op in loops:
+    operands = [k for k, x in enumerate(op.inputs)
+                if x not in graph.literals and graph.types[x].shape]
+    assert all((op.site, k) in pinned for k in operands), op.name_stack
+    read = [(graph.ops[r].site, k) for v in op.outputs if graph.types[v].shape
+            for r in graph.consumers.get(v, ()) if graph.ops[r].region == 0
+            for k, y in enumerate(graph.ops[r].inputs) if y == v]
+    assert read and all(site in pinned for site in read), op.name_stack
+  two_steps(plan, m, 8)

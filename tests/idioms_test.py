@@ -32,6 +32,10 @@ from tapas_jax import rules
 B, S, D, V = 8, 16, 32, 64
 MESH = {"data": 2, "model": 4}
 TIGHT = 0.7  # of the unbudgeted plan's predicted memory
+# Where remat alone fits TIGHT, a budget under which the plan must split something too
+# (nnx_scan's 0.7 plan split the embedding's rows only while the lookup's partial sums,
+# read by the scan alone, were priced nowhere: a free saving).
+TIGHTER = {"nnx_scan": 0.35}
 
 
 def _weights(n: int = 2) -> dict:
@@ -298,7 +302,8 @@ def test_an_idiom_plans_and_runs_as_unsharded(name, make):
     warnings.simplefilter("always")
     free = tapas.search(step, state, batch, mesh=MESH, device="h100")
     tight = tapas.search(step, state, batch, mesh=MESH, device="h100",
-                         memory_budget=TIGHT * free.stats.predicted_memory_bytes)
+                         memory_budget=TIGHTER.get(name, TIGHT)
+                         * free.stats.predicted_memory_bytes)
   fallbacks = [str(w.message) for w in seen if "no sharding rule" in str(w.message)]
   assert not fallbacks, fallbacks
   assert _splits(tight), "the tight plan splits nothing: it tests no sharding"

@@ -432,6 +432,28 @@ def test_a_kernels_operands_are_resharded_where_the_plan_prices_it(libtpu, monke
   assert html.escape(moved[0]) in record._repr_html_()
 
 
+def test_a_searched_scan_body_compiles_as_planned(libtpu, monkeypatch):
+  """The searched plan of a scanned LLaMA whose attention is a shard_map (heads on
+  model) keeps the residual stream whole on model between layers and splits the MLP's
+  hidden dim there. Unpinned inside the loop, the TPU compiler carried the loss head's
+  split of positions back into the loop's carry and gathered each layer's stacked MLP
+  weights instead (0.65 of the bytes it sent were predicted); and the embedding lookup's
+  partial sums, read only by the scan, were not priced. Now the bytes are the
+  predicted ones and no stacked weight is gathered in the loop."""
+  mesh = tapas.tpu_mesh("v5p:2x2x1", {"data": 2, "model": 2})
+  m = styles.llama_with_shard_mapped_attention(monkeypatch.setattr, mesh,
+                                              **styles.SMALL_KERNEL_LLAMA)
+  step, state, batch = m.train_step(), m.abstract_state(), m.batch_spec(8)
+  plan = tapas.search(step, state, batch, mesh={"data": 2, "model": 2}, device="tpu-v5p")
+  record = tapas.verify(plan, step, state, batch, topology="v5p:2x2x1", donate_argnums=0)
+  assert record.compiled and record.fits, record.summary()
+  assert record.comm_bytes["total"] == pytest.approx(record.predicted_comm_bytes,
+                                                     rel=0.01), record.summary()
+  sliced = [(name, kind) for name, kind, _ in record.comm_by_op
+            if "dynamic_index_in_dim" in name]
+  assert not sliced, record.summary()
+
+
 def test_a_shard_mapped_pallas_kernel_is_verified_on_the_topologys_mesh(libtpu):
   """A Pallas TPU kernel (flash attention), which XLA cannot partition, run as TPU users
   run it: inside a `jax.shard_map` on the mesh of the devices it compiles for."""

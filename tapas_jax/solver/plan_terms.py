@@ -189,7 +189,8 @@ def _constraints(problem: Problem, choice: Choice,
 
   read_dims = functools.lru_cache(maxsize=None)(problem.read_dims)  # per (rep, value)
   top = Standing(g, view)
-  out = _made_constraints(problem, spec, top) + _fixed_made_constraints(problem, spec, top)
+  out = (_made_constraints(problem, spec, top)
+         + _loop_constraints(problem, spec, fixed) + _fixed_made_constraints(problem, spec, top))
   # Copies of a layer read alike: (rep, slot, value in the view, rank) -> (want, have,
   # whether they are one layout).
   pair: dict[tuple, tuple[PartitionSpec, PartitionSpec, bool]] = {}
@@ -248,6 +249,38 @@ def _constraints(problem: Problem, choice: Choice,
   reads.sort(key=operator.itemgetter(0))  # in program order, as one walk adds them
   out += [con for _, found in reads for con in found]
   return tuple(out) + _scan_cut_constraints(problem, spec, fixed)
+
+
+def _loop_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout]
+                      ) -> list[Constraint]:
+  """Each array a searched scan reads pinned at the scan in the plan's layout, and each
+  of its results where it is read. A scan's body is searched in place, but the loop is
+  no op XLA is told about: left free, the TPU compiler carried a reader's split back
+  into the carry (positions split for the loss head) and gathered the body's weights
+  instead, every iteration."""
+  g, view, out = problem.graph, problem.view, []
+  if not view.loops:
+    return out
+
+  def planned(x):
+    if x in fixed:
+      return PartitionSpec(*fixed[x].to_partition_spec())
+    return spec([problem.vclass(x, d) for d in range(len(g.types[x].shape))])
+
+  for op in Standing(g, view, region=None).where(view.loops.__contains__):
+    out += [Constraint(site=op.site, slot=k, spec=planned(x)) for k, x in enumerate(op.inputs)
+            if x not in g.literals and g.types[x].shape]
+    for v in op.outputs:
+      if not g.types[v].shape:
+        continue
+      made = planned(v)
+      for r in g.consumers.get(v, ()):
+        if view.op_canon.get(r, r) in view.loops:
+          continue  # another loop: pinned where it reads, above
+        reader = g.ops[r]
+        out += [Constraint(site=reader.site, slot=k, spec=made)
+                for k, y in enumerate(reader.inputs) if y == v]
+  return out
 
 
 def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:

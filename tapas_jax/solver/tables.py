@@ -88,6 +88,8 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
+    # A loop's body reads its operands whole-summed: the loop is no op of the search.
+    self._loop_read = {problem.cv(v) for i in problem.view.loops for v in g.ops[i].inputs}
     # The same for every builder over this program and view.
     self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
                                      lambda: _dead_and_unwritten(problem, self.cache))
@@ -329,9 +331,9 @@ class TableBuilder:
 
   def _resolved_users(self, v: int) -> bool:
     """Whether partial-or-not value v is reduced where it is made: some reader reads it
-    as made (not through a cut, not as a sum it absorbs), it is a program output, or a
-    scan body stacks it into a result (`_stacked_results`)."""
-    return (v in self.p.graph.output_set or v in self._stacked
+    as made (not through a cut, not as a sum it absorbs), it is a program output, a
+    scan body stacks it into a result (`_stacked_results`), or a scan reads it."""
+    return (v in self.p.graph.output_set or v in self._stacked or v in self._loop_read
             or any(self.p.read_dims(c, v) is None and not self.absorbs_partial(c, v)
                    for c in self.users.get(v, ())))
 

@@ -1,6 +1,7 @@
 """A class choice in plan terms (`result.PlanTerms`): each input's stored and used
-`PartitionSpec`, the layouts `apply` pins where a value is read in another layout than
-it is made or stored in, and each kind of dimension's decision with its reason.
+`PartitionSpec`, the layouts `apply` pins (where a value is read in another layout than
+it is made or stored in, a contraction's result, a searched scan's operands and
+results), and each kind of dimension's decision with its reason.
 
 `solve` and `evaluate` hand `plan_terms` to their `Solution`, which builds it once,
 when it is first read.

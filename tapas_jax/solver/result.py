@@ -58,8 +58,9 @@ class Constraint:
 
   Where a value is read in another layout than it is made or stored in (a parameter
   stored split over `data` and used gathered; a gradient made for the compute and
-  reduced into the update's layout), `apply` feeds the reading equation
-  `with_sharding_constraint(value, spec)`.
+  reduced into the update's layout), where a contraction makes a result, and where a
+  searched scan reads an operand or its result is read, `apply` feeds the reading
+  equation `with_sharding_constraint(value, spec)`.
 
   Attributes:
     site: the reading equation's `Op.site` (equation indices through inlined calls).

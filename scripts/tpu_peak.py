@@ -197,24 +197,33 @@ def _compile(a) -> str:
 
 
 def model_peak(a, top: int) -> None:
-  """Prints the model's side for the searched plan: its activation peak and the largest
-  values live there (`memory.largest_live`), to set beside the compiler's list."""
+  """Prints the model's side for the plan `--layout` names (searched, or a baseline):
+  its activation peak and the largest values live there (`memory.largest_live`), to set
+  beside the compiler's list."""
+  import dataclasses  # noqa: PLC0415
   import importlib  # noqa: PLC0415
-  from tapas_jax import api, models, options  # noqa: PLC0415
+  from tapas_jax import api, baselines, models, options, solver  # noqa: PLC0415
 
   memory = importlib.import_module("tapas_jax.solver.memory")
   solve = importlib.import_module("tapas_jax.solver.solve")
   config, trimmed = models.SMALL[a.family] if a.config == "small" else (a.config, {})
   m = models.get_model(a.family, config, **trimmed)
   axes = dict((k, int(v)) for k, v in (kv.split(":") for kv in a.mesh.split(",")))
+  search = options.SearchConfig(device=a.device)
+  args = (m.abstract_state(), m.batch_spec(a.batch))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(a.batch)),
-                           mesh=axes, device=a.device)
-    found = api._solve(prepared, None, options.SearchConfig(device=a.device), cache={})
+    if a.layout == "tapas":
+      prepared = api.prepare(m.train_step(), args, mesh=axes, device=a.device)
+      found = api._solve(prepared, None, search, cache={})
+    else:  # prepared and laid out as `baselines.baseline` does (no remat)
+      prepared = api.prepare(m.train_step(), args, mesh=axes, where="baseline",
+                             config=dataclasses.replace(search, sequence_parallel=False))
+      found = solver.evaluate(prepared.problem, baselines._layout(
+          a.layout, prepared, a.family, None), folded=prepared.folded)
   acts = solve.cached_activations(prepared.problem, None)
   total, at = memory.activation_peak(prepared.problem, acts, found.choice)
-  print(f"the model (searched plan): state {found.state_bytes / 2**20:.2f} MiB + "
+  print(f"the model ({a.layout}): state {found.state_bytes / 2**20:.2f} MiB + "
         f"activations {total / 2**20:.2f} MiB at op {at}; largest live there:")
   for row in memory.largest_live(prepared.problem, acts, found.choice, top).split("), "):
     print(f"  {row.rstrip(')')})")
@@ -234,7 +243,7 @@ def main():
                       help="tapas.apply's layouts=: default or auto")
   parser.add_argument("--read", default="", help="a folder of dumps: read, compile nothing")
   parser.add_argument("--model_peak", action="store_true",
-                      help="also print the model's activation peak for the searched plan")
+                      help="also print the model's activation peak for the plan --layout names")
   parser.add_argument("--for_backward", action="store_true",
                       help="also print what the compiler keeps for the backward pass, by name")
   parser.add_argument("--at", type=int, default=-1,

@@ -24,7 +24,7 @@ import dataclasses
 import re
 import time
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from tapas_jax import api
 from tapas_jax import options
@@ -98,17 +98,8 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
                          config=dataclasses.replace(config, batch_axes=None,
                                                     sequence_parallel=False))
   start = time.perf_counter()
-  problem, mesh_spec = prepared.problem, prepared.mesh
-  every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
-  if name == "megatron":
-    if batch_axes is None:
-      batch_axes = solver.data_axes(mesh_spec)
-    layout = solver.layout_choice(
-        problem, batch_axes=tuple(batch_axes),
-        split=_megatron_splits([i.path for i in prepared.graph.inputs], family or ""),
-        split_axes=tuple(a for a in mesh_spec.axis_names if a not in batch_axes))
-  else:
-    layout = solver.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")
+  problem = prepared.problem
+  layout = _layout(name, prepared, family, batch_axes)
   modes = {}
   if remat is not None:
     modes = {u.index: remat for u in prepared.folded.unique_layers
@@ -127,3 +118,19 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
     warnings.warn(f"baseline {name!r} takes {plan.stats.predicted_memory_bytes / 2**30:.2f} "
                   f"GiB per device, over {of}: it would not fit", stacklevel=2)
   return plan
+
+
+def _layout(name: str, prepared: api.Prepared, family: str | None,
+            batch_axes: Sequence[str] | None) -> solver.LayoutChoice:
+  """The class choice of baseline `name` on a program prepared as `baseline` prepares
+  it (no batch axes, no sequence cuts)."""
+  problem, mesh_spec = prepared.problem, prepared.mesh
+  if name == "megatron":
+    if batch_axes is None:
+      batch_axes = solver.data_axes(mesh_spec)
+    return solver.layout_choice(
+        problem, batch_axes=tuple(batch_axes),
+        split=_megatron_splits([i.path for i in prepared.graph.inputs], family or ""),
+        split_axes=tuple(a for a in mesh_spec.axis_names if a not in batch_axes))
+  every = tuple(a for a in mesh_spec.axis_names if mesh_spec.size(a) > 1)
+  return solver.layout_choice(problem, batch_axes=every, fsdp=name == "fsdp")

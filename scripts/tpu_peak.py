@@ -200,9 +200,8 @@ def model_peak(a, top: int) -> None:
   """Prints the model's side for the plan `--layout` names (searched, or a baseline):
   its activation peak and the largest values live there (`memory.largest_live`), to set
   beside the compiler's list."""
-  import dataclasses  # noqa: PLC0415
   import importlib  # noqa: PLC0415
-  from tapas_jax import api, baselines, models, options, solver  # noqa: PLC0415
+  from tapas_jax import api, baselines, models, options  # noqa: PLC0415
 
   memory = importlib.import_module("tapas_jax.solver.memory")
   solve = importlib.import_module("tapas_jax.solver.solve")
@@ -216,11 +215,10 @@ def model_peak(a, top: int) -> None:
     if a.layout == "tapas":
       prepared = api.prepare(m.train_step(), args, mesh=axes, device=a.device)
       found = api._solve(prepared, None, search, cache={})
-    else:  # prepared and laid out as `baselines.baseline` does (no remat)
-      prepared = api.prepare(m.train_step(), args, mesh=axes, where="baseline",
-                             config=dataclasses.replace(search, sequence_parallel=False))
-      found = solver.evaluate(prepared.problem, baselines._layout(
-          a.layout, prepared, a.family, None), folded=prepared.folded)
+    else:  # as `baselines.baseline` prepares and costs it (no remat)
+      prepared, found, _ = baselines._costed(a.layout, m.train_step(), args, mesh=axes,
+                                             family=a.family, kwargs=None, remat=None,
+                                             config=search)
   acts = solve.cached_activations(prepared.problem, None)
   total, at = memory.activation_peak(prepared.problem, acts, found.choice)
   print(f"the model ({a.layout}): state {found.state_bytes / 2**20:.2f} MiB + "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -91,23 +90,13 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
     raise ValueError(f"megatron baseline: no layout known for model family {family!r}; "
                      f"pass family= one of {', '.join(sorted(MEGATRON_SPLITS))}")
   config = options.search_config(config, search_options, "baseline")
-  batch_axes = options.batch_axes(config.batch_axes, options.mesh_axes(mesh, "baseline"),
-                                  "baseline")
-  # The expert layouts name one layout per value dim: no sequence cuts to leave open.
-  prepared = api.prepare(fn, args, mesh=mesh, kwargs=kwargs, where="baseline",
-                         config=dataclasses.replace(config, batch_axes=None,
-                                                    sequence_parallel=False))
-  start = time.perf_counter()
+  prepared, solution, modes = _costed(name, fn, args, mesh=mesh, family=family,
+                                      kwargs=kwargs, remat=remat, config=config)
   problem = prepared.problem
-  layout = _layout(name, prepared, family, batch_axes)
-  modes = {}
-  if remat is not None:
-    modes = {u.index: remat for u in prepared.folded.unique_layers
-             if solver.layer_remats(prepared.folded, u.index, remat)}
-  solution = solver.evaluate(problem, layout, folded=prepared.folded, remat=modes)
   plan = planlib.make_plan(prepared.folded, solution, args,
-                           search_s=prepared.prepare_s + time.perf_counter() - start,
-                           name=name if not modes else f"{name}+{remat}", kwargs=kwargs)
+                           search_s=prepared.prepare_s + solution.solve_s,
+                           name=name if not modes else f"{name}+{remat}",
+                           kwargs=kwargs)
   limit = api.resolve_budget(config.memory_budget, problem.profile)
   if limit is not None and plan.stats.predicted_memory_bytes > limit:
     # A baseline is a fixed layout to compare against, so it is returned, but it says
@@ -118,6 +107,29 @@ def baseline(name: str, fn, *args, mesh: Any, family: str | None = None, kwargs=
     warnings.warn(f"baseline {name!r} takes {plan.stats.predicted_memory_bytes / 2**30:.2f} "
                   f"GiB per device, over {of}: it would not fit", stacklevel=2)
   return plan
+
+
+def _costed(name: str, fn, args: Sequence[Any], *, mesh: Any, family: str | None,
+            kwargs: Mapping[str, Any] | None, remat: str | None,
+            config: options.SearchConfig
+            ) -> tuple[api.Prepared, solver.Solution, dict[int, str]]:
+  """(the program prepared as a baseline sees it, baseline `name` costed on it, the
+  unique layers given its `remat` policy: those with a backward). `baseline`'s plan is
+  made of them; scripts read them beside the compiler's figures
+  (`scripts/tpu_peak.py --model_peak`)."""
+  batch_axes = options.batch_axes(config.batch_axes, options.mesh_axes(mesh, "baseline"),
+                                  "baseline")
+  # The expert layouts name one layout per value dim: no sequence cuts to leave open.
+  prepared = api.prepare(fn, args, mesh=mesh, kwargs=kwargs, where="baseline",
+                         config=dataclasses.replace(config, batch_axes=None,
+                                                    sequence_parallel=False))
+  modes = {}
+  if remat is not None:
+    modes = {u.index: remat for u in prepared.folded.unique_layers
+             if solver.layer_remats(prepared.folded, u.index, remat)}
+  layout = _layout(name, prepared, family, batch_axes)
+  return prepared, solver.evaluate(prepared.problem, layout, folded=prepared.folded,
+                                   remat=modes), modes
 
 
 def _layout(name: str, prepared: api.Prepared, family: str | None,

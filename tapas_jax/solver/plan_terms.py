@@ -226,7 +226,7 @@ def _constraints(problem: Problem, choice: Choice,
       if x in g.literals:
         continue
       if x in fixed:
-        want, have = spec(read_dims(rep, y)), PartitionSpec(*fixed[x].to_partition_spec())
+        want, have = spec(read_dims(rep, y)), _held(problem, spec, fixed, x)
         same = want == have
       else:
         want, have, same = read_as(rep, k, y, x)
@@ -264,9 +264,7 @@ def _loop_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout
     return out
 
   def planned(x):
-    if x in fixed:
-      return PartitionSpec(*fixed[x].to_partition_spec())
-    return spec([problem.vclass(x, d) for d in range(len(g.types[x].shape))])
+    return _held(problem, spec, fixed, x)
 
   for op in Standing(g, view, region=None).where(view.loops.__contains__):
     out += [Constraint(site=op.site, slot=k, spec=planned(x)) for k, x in enumerate(op.inputs)
@@ -282,6 +280,16 @@ def _loop_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout
         out += [Constraint(site=reader.site, slot=k, spec=made)
                 for k, y in enumerate(reader.inputs) if y == v]
   return out
+
+
+def _held(problem: Problem, spec, fixed: Mapping[int, costlib.Layout], x: int,
+          skip: int = 0) -> PartitionSpec:
+  """The layout the plan holds value x in: the fixed one it is stored in, else its
+  classes' under the choice (`spec`); without its `skip` leading dims (a stack's
+  iteration slice)."""
+  if x in fixed:
+    return PartitionSpec(*costlib.Layout(fixed[x].dims[skip:]).to_partition_spec())
+  return spec([problem.vclass(x, d) for d in range(skip, len(problem.graph.types[x].shape))])
 
 
 def _fixed_made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]:
@@ -435,8 +443,7 @@ def _scan_cut_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.La
     rank = len(g.types[inner].shape)
     if not read or not rank:
       continue
-    stored = (PartitionSpec(*costlib.Layout(fixed[outer].dims[1:]).to_partition_spec())
-              if outer in fixed else spec([problem.vclass(outer, d + 1) for d in range(rank)]))
+    stored = _held(problem, spec, fixed, outer, skip=1)
     want = spec([problem.value_class[(inner, d)] for d in range(rank)])
     if want == stored:
       continue

@@ -88,11 +88,13 @@ class TableBuilder:
     for op in self.ops:
       for v in op.inputs:
         self.users.setdefault(problem.cv(v), []).append(op.index)
-    # A loop's body reads its operands whole-summed: the loop is no op of the search.
-    self._loop_read = {problem.cv(v) for i in problem.view.loops for v in g.ops[i].inputs}
     # The same for every builder over this program and view.
     self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
                                      lambda: _dead_and_unwritten(problem, self.cache))
+    # A loop's body reads its operands whole-summed: the loop is no op of the search.
+    self._loop_read = memo(self.cache, "loop read", (g, problem.view),
+                           lambda: frozenset(problem.cv(v) for i in problem.view.loops
+                                             for v in g.ops[i].inputs))
     self._stacked = memo(self.cache, "stacked", (g, problem.view, problem.scan_cuts),
                          lambda: _stacked_results(problem))
 

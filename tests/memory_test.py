@@ -1077,6 +1077,37 @@ def test_the_largest_live_values_name_a_stacked_inputs_slice_in_the_loop():
   assert "stacked for its recomputation" not in text, text
 
 
+def test_a_shard_map_made_of_constants_alone_is_free_and_takes_no_memory(monkeypatch):
+  """JAX's partial evaluation hoists what a scanned layer's shard_map makes of
+  constants alone (the causal mask and the fill the softmax's `where` reads, as known
+  residuals) out of the loop, into a shard_map of its own that reads nothing. XLA
+  builds each device's piece where it is read, as it does a mask made of iotas outside
+  any shard_map: its results are free values, held nowhere. Before, they were counted
+  whole-program live (a bf16 and a bool `[devices * batch, heads, q, k]` each), and the
+  scanned LLaMA with an XLA-body shard_map was predicted 20 MiB over its 130.65 MiB
+  compiled peak under FSDP (v5p:2x2x1; BENCHMARKS.md)."""
+  seq = 96
+  mesh = styles.auto_mesh((2, 2), ("data", "model"), jax.devices()[:4])
+  m = styles.llama_with_shard_mapped_attention(monkeypatch.setattr, mesh, seq_len=seq,
+                                              d_model=128, num_heads=8, num_kv_heads=2,
+                                              d_ff=256, vocab_size=1024)
+  prep = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
+                     mesh={"data": 2, "model": 2}, device="h100")
+  p, g = prep.problem, prep.problem.graph
+  hoisted = [op for op in g.region_ops(0) if op.primitive == "shard_map"
+             and all(v in g.literals for v in op.inputs)]
+  assert hoisted, "no shard_map of constants alone: JAX no longer hoists the mask"
+  made = {v for op in hoisted for v in op.outputs if g.types[v].shape[-2:] == (seq, seq)}
+  assert made and made <= p.free_values, [g.types[v] for v in made]
+  acts = memory.activations(p)
+  counted = [acts.values[k] for k in range(len(acts.values))
+             if acts.values[k] in made and acts.nbytes[k] > 0]
+  assert not counted, [g.types[v] for v in counted]
+  # The layer's own softmax residuals, made of the program's values, still count.
+  assert any(g.types[v].shape[-2:] == (seq, seq) and n > 0 and v not in p.free_values
+             for v, n in zip(acts.values, acts.nbytes))
+
+
 @pytest.mark.parametrize("policy", [remat.NO_REMAT, "nothing_saveable"])
 def test_a_kernels_results_count_one_devices_share_in_its_body_its_stack_and_its_recompute(
     monkeypatch, policy):

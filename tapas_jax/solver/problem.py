@@ -339,7 +339,9 @@ def update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.OpR
 def free_values(graph: Graph, top: Sequence[Op], update: frozenset[int],
                 cv=lambda v: v) -> frozenset[int]:
   """Values computed from no program input: iotas, constants and what is made of them
-  alone (a causal mask: iota, broadcasts, a compare).
+  alone (a causal mask: iota, broadcasts, a compare), and the results of a call made
+  of them alone (`Facts.called`: a `jax.shard_map` whose body builds a mask, which JAX
+  hoists out of a scanned layer as a known residual).
 
   XLA folds them or builds each device's piece where it is read, so they take any
   layout at no cost: each read gets classes of its own. Otherwise the one iota behind
@@ -348,7 +350,8 @@ def free_values(graph: Graph, top: Sequence[Op], update: frozenset[int],
   """
   free: set[int] = set()
   for op in top:  # producers come before their readers
-    if (op.outputs and not op.subregions and op.index not in update
+    if (op.outputs and (not op.subregions or ruleslib.facts(op.primitive).called)
+        and op.index not in update
         and all(v in graph.literals or cv(v) in free for v in op.inputs)):
       free.update(cv(v) for v in op.outputs)
   return frozenset(free)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -123,13 +124,16 @@ def _costed(name: str, fn, args: Sequence[Any], *, mesh: Any, family: str | None
   prepared = api.prepare(fn, args, mesh=mesh, kwargs=kwargs, where="baseline",
                          config=dataclasses.replace(config, batch_axes=None,
                                                     sequence_parallel=False))
+  start = time.perf_counter()
   modes = {}
   if remat is not None:
     modes = {u.index: remat for u in prepared.folded.unique_layers
              if solver.layer_remats(prepared.folded, u.index, remat)}
   layout = _layout(name, prepared, family, batch_axes)
-  return prepared, solver.evaluate(prepared.problem, layout, folded=prepared.folded,
-                                   remat=modes), modes
+  solution = solver.evaluate(prepared.problem, layout, folded=prepared.folded, remat=modes)
+  # Its seconds: choosing the layout is this search's work too.
+  return (prepared, dataclasses.replace(solution, solve_s=time.perf_counter() - start),
+          modes)
 
 
 def _layout(name: str, prepared: api.Prepared, family: str | None,

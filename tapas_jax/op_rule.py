@@ -256,6 +256,9 @@ class Facts:
     called: its sub-jaxpr is a call run once, not a loop or a branch: `jax.checkpoint`
       under `nothing_saveable` recomputes it like any other op (a `jax.shard_map`, a
       Pallas kernel), where remat keeps a loop's or a branch's results.
+    maps_operands: its body's k-th input is its k-th operand and its k-th result the
+      body's k-th output (a `jax.shard_map`, on shards of them): what the body makes
+      of constants alone, the op makes of them alone.
 
   Example:
     >>> from tapas_jax import rules  # registers the rules and their facts
@@ -276,6 +279,7 @@ class Facts:
   moves: bool = False
   selects: bool = False
   called: bool = False
+  maps_operands: bool = False
 
 
 DEFAULT_FACTS = Facts()

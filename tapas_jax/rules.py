@@ -695,7 +695,7 @@ register("scatter", "scatter-mul", "scatter-min", "scatter-max", facts=_IN_PLACE
 # -- jax.shard_map: shards the program fixed -------------------------------------
 
 
-@register("shard_map", facts=Facts(called=True))
+@register("shard_map", facts=Facts(called=True, maps_operands=True))
 def _shard_map(params, ins, outs) -> OpRule:
   """Its operands read and its results made in the layouts its specs name (dims past a
   spec's length whole), on the mesh it names: the body runs per device on those

@@ -263,9 +263,7 @@ def _loop_constraints(problem: Problem, spec, fixed: Mapping[int, costlib.Layout
   if not view.loops:
     return out
 
-  def planned(x):
-    return _held(problem, spec, fixed, x)
-
+  planned = functools.partial(_held, problem, spec, fixed)
   for op in Standing(g, view, region=None).where(view.loops.__contains__):
     out += [Constraint(site=op.site, slot=k, spec=planned(x)) for k, x in enumerate(op.inputs)
             if x not in g.literals and g.types[x].shape]

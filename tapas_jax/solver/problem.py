@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import math
 import warnings
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
@@ -337,19 +337,20 @@ def update_ops(graph: Graph, top: Sequence[Op], rules: Mapping[int, ruleslib.OpR
 
 
 def free_values(graph: Graph, top: Sequence[Op], update: frozenset[int],
-                cv=lambda v: v) -> frozenset[int]:
+                cv=lambda v: v, seed: Iterable[int] = ()) -> frozenset[int]:
   """Values computed from no program input: iotas, constants and what is made of them
   alone (a causal mask: iota, broadcasts, a compare), and the results a shard_map's
   body makes of them alone (`Facts.maps_operands`: the mask and the fill a softmax's
   `where` reads, handed to the backward as residuals, or hoisted out of a scanned
-  layer by JAX into a shard_map that reads nothing).
+  layer by JAX into a shard_map that reads nothing). `seed`: values known free (a
+  body's inputs whose operands are).
 
   XLA folds them or builds each device's piece where it is read, so they take any
   layout at no cost and are held nowhere: each read gets classes of its own. Otherwise
   the one iota behind a causal mask joins the query and key positions into one class,
   which the scores then hold twice (unsplittable).
   """
-  free: set[int] = set()
+  free: set[int] = set(seed)
   for op in top:  # producers come before their readers
     if not op.outputs or op.index in update:
       continue
@@ -357,21 +358,12 @@ def free_values(graph: Graph, top: Sequence[Op], update: frozenset[int],
       if all(v in graph.literals or cv(v) in free for v in op.inputs):
         free.update(cv(v) for v in op.outputs)
     elif ruleslib.facts(op.primitive).maps_operands:
-      free.update(cv(v) for v in _free_results(graph, op, free, cv))
+      body = graph.regions[op.subregions[0]]
+      inner = free_values(graph, graph.region_ops(body.index), frozenset(), seed=(
+          w for x, w in zip(op.inputs, body.inputs) if x in graph.literals or cv(x) in free))
+      free.update(cv(v) for v, w in zip(op.outputs, body.outputs)
+                  if w in inner or w in graph.literals)
   return frozenset(free)
-
-
-def _free_results(graph: Graph, op: Op, free: set[int], cv) -> list[int]:
-  """The results of `op` (`Facts.maps_operands`) its body makes of constants, and of
-  operands that are free, alone (ops holding bodies of their own: never)."""
-  body = graph.regions[op.subregions[0]]
-  inner = {w for x, w in zip(op.inputs, body.inputs)
-           if x in graph.literals or cv(x) in free}
-  for o in graph.region_ops(body.index):
-    if (o.outputs and not o.subregions
-        and all(v in graph.literals or v in inner for v in o.inputs)):
-      inner.update(o.outputs)
-  return [v for v, w in zip(op.outputs, body.outputs) if w in inner or w in graph.literals]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -662,17 +662,19 @@ def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
 
 @contextlib.contextmanager
 def collector_paused():
-  """Python's cyclic garbage collector off while the walk, the fold and the search run
-  (on again after, if it was on).
+  """Python's cyclic garbage collector off while the trace, the walk, the fold and the
+  search run (on again after, if it was on).
 
   The search allocates many small objects over a heap that holds the whole traced
   program; each full collection those allocations trigger walks every live object, so
   a deep program paid for its depth again in collections (a GPT train step at 96
   layers: the report's 0.6 CPU seconds fell to 0.2 with the collector off; the fold of
   a 48-layer remat step 0.67 -> 0.33 s; the walk of LLaMA-3-8B's 12.7 thousand
-  equations 0.36 -> 0.25-0.29 s; BENCHMARKS.md). What they leave behind is freed by
-  reference counting, any cycles at the next collection. `jax.make_jaxpr` runs with
-  the collector as the caller has it.
+  equations 0.36 -> 0.25-0.29 s; BENCHMARKS.md). `jax.make_jaxpr` too: tracing
+  LLaMA-3-8B's step allocates about 100 thousand objects, enough for two full
+  collections of the heap (0.2 of its 1.5 CPU seconds; the process's peak memory the
+  same either way). What they leave behind is freed by reference counting, any cycles
+  at the next collection.
 
   On the way out the youngest generation is collected once, here: the collector
   would do it at the next allocation anyway (the objects made while it was off are far
@@ -729,19 +731,20 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
   # Flattening the arguments is this walk's own work too (16 ms of a 96-layer step's
   # state), counted with it.
   flatten_s = time.perf_counter() - start
-  start = time.perf_counter()
-  try:
-    closed, out_shape = jx.make_jaxpr(flat_call(fn, len(args) - len(names), names),
-                                      *abstract)
-  except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
-    shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
-                       zip(paths[:6], jax.tree.leaves(abstract)))
-    raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
-                     f"{len(abstract)} argument(s) ({shapes}"
-                     f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}") from e
-  trace_s = time.perf_counter() - start
-  start = time.perf_counter()
-  with collector_paused():  # the walk allocates an object or more per equation
+  with collector_paused():  # tracing and the walk allocate objects per equation
+    start = time.perf_counter()
+    try:
+      closed, out_shape = jx.make_jaxpr(flat_call(fn, len(args) - len(names), names),
+                                        *abstract)
+    except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
+      shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
+                         zip(paths[:6], jax.tree.leaves(abstract)))
+      raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
+                       f"{len(abstract)} argument(s) ({shapes}"
+                       f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}"
+                       ) from e
+    trace_s = time.perf_counter() - start
+    start = time.perf_counter()
     walker = _Walker()
     body, consts = jx.open_jaxpr(closed)
     env: dict = {}

@@ -1,6 +1,7 @@
 """trace: jaxpr walker, graph IR, canonical signatures, errors."""
 
 import functools
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,34 @@ def test_trace_failure_is_reported_with_arguments():
 
   with pytest.raises(TraceError, match=r"bad failed to trace.*TypeError"):
     trace(bad, sds(2, 3), sds(4, 5))
+
+
+def test_the_step_is_traced_with_the_collector_paused_and_it_is_restored():
+  # Tracing a deep step allocates enough objects to set off full collections of the
+  # whole heap (`trace.collector_paused`); the caller's collector is left as it was,
+  # after a failed trace too.
+  seen = []
+
+  def step(x):
+    seen.append(gc.isenabled())  # runs once, while JAX traces it
+    return x * 2
+
+  def bad(x):
+    seen.append(gc.isenabled())
+    return x @ x
+
+  assert gc.isenabled()
+  trace(step, sds(4))
+  with pytest.raises(TraceError):
+    trace(bad, sds(2, 3))
+  assert seen == [False, False]
+  assert gc.isenabled()
+  gc.disable()
+  try:
+    trace(step, sds(4))
+    assert not gc.isenabled()  # a caller's paused collector stays paused
+  finally:
+    gc.enable()
 
 
 def test_summary_mentions_loops():

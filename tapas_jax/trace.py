@@ -767,7 +767,8 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
                                inputs=tuple(i.value for i in inputs), outputs=outputs,
                                fingerprint=subgraph_fingerprint(
                                    top_ops, [i.value for i in inputs], outputs))
-  # Timed past the collector's pause: the collection of what the walk made is its own.
+  # Timed past the collector's pause: the collection of what the trace and the walk made
+  # is counted with the walk.
   graph = Graph(ops=tuple(walker.ops), types=tuple(walker.types),
                 literals=frozenset(walker.literals), inputs=tuple(inputs), outputs=outputs,
                 output_paths=out_paths, regions=tuple(walker.regions),

@@ -245,7 +245,8 @@ class Graph:
       sorted name order.
     trace_s: seconds spent in `jax.make_jaxpr`.
     walk_s: seconds spent building this graph from the jaxpr (and flattening the
-      arguments for `jax.make_jaxpr`).
+      arguments for `jax.make_jaxpr`, and collecting what both left behind:
+      `collector_paused`).
   """
 
   ops: tuple[Op, ...]

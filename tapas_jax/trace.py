@@ -719,6 +719,19 @@ def trace(fn: Callable[..., Any], *args: Any, kwargs: Mapping[str, Any] | None =
   return trace_with_jaxpr(fn, *args, kwargs=kwargs)[0]
 
 
+def _make_jaxpr(fn, args, names, abstract, paths) -> tuple[Any, Any]:
+  """`jax.make_jaxpr` of fn on the abstract arguments: (closed jaxpr, output shapes); a
+  failure re-raised as a `TraceError` naming the arguments' paths and shapes."""
+  try:
+    return jx.make_jaxpr(flat_call(fn, len(args) - len(names), names), *abstract)
+  except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
+    shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
+                       zip(paths[:6], jax.tree.leaves(abstract)))
+    raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
+                     f"{len(abstract)} argument(s) ({shapes}"
+                     f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}") from e
+
+
 def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
                      kwargs: Mapping[str, Any] | None = None) -> tuple[Graph, Any, Any]:
   """`trace`, also returning the closed jaxpr walked and its output shape pytree
@@ -734,16 +747,7 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
   flatten_s = time.perf_counter() - start
   with collector_paused():  # tracing and the walk allocate objects per equation
     start = time.perf_counter()
-    try:
-      closed, out_shape = jx.make_jaxpr(flat_call(fn, len(args) - len(names), names),
-                                        *abstract)
-    except Exception as e:  # noqa: BLE001 - re-raised with the arguments named
-      shapes = ", ".join(f"{path} {tuple(leaf.shape)}" for (_, path), leaf in
-                         zip(paths[:6], jax.tree.leaves(abstract)))
-      raise TraceError(f"trace: {getattr(fn, '__name__', fn)!s} failed to trace with "
-                       f"{len(abstract)} argument(s) ({shapes}"
-                       f"{', ...' if len(paths) > 6 else ''}): {type(e).__name__}: {e}"
-                       ) from e
+    closed, out_shape = _make_jaxpr(fn, args, names, abstract, paths)
     trace_s = time.perf_counter() - start
     start = time.perf_counter()
     walker = _Walker()

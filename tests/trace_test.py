@@ -203,6 +203,18 @@ def test_the_step_is_traced_with_the_collector_paused_and_it_is_restored():
     gc.enable()
 
 
+def test_what_the_trace_made_goes_to_the_oldest_generation_unscanned():
+  # Left young, the trace's objects would all be walked by the collector's next young
+  # collection; they outlive the call, so they are promoted without a look.
+  def step(x):
+    return x * 2
+
+  graph = trace(step, sds(4))
+  assert gc.is_tracked(graph.ops[0])
+  assert any(o is graph.ops[0] for o in gc.get_objects(generation=2))
+  assert gc.get_count()[0] < 100
+
+
 def test_summary_mentions_loops():
   text = gpt_train_graph(num_layers=3, scan=True).summary()
   assert "loop scan.jaxpr x3" in text

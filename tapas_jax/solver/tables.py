@@ -487,36 +487,16 @@ class _Grid:
 
   def __init__(self, domains, mesh: costlib.MeshSpec):
     self.domains, self.mesh = domains, mesh
-    self.axes = tuple(a for a in mesh.axis_names
-                      if any(a in entry for d in domains for entry in d))
-
-  def _along(self, q: int, values) -> np.ndarray:
-    shape = [1] * len(self.domains)
-    shape[q] = len(self.domains[q])
-    return np.asarray(values).reshape(shape)
-
-  def _uses(self, positions, axis: str) -> np.ndarray:
-    """How many of these positions' choices hold `axis`."""
-    count = np.zeros((1,) * len(self.domains), int)
-    for q in positions:
-      count = count + self._along(q, [entry.count(axis) for entry in self.domains[q]])
-    return count
 
   def clash(self, positions) -> np.ndarray:
     """Whether one mesh axis is chosen twice among these positions (`_clash`)."""
-    out = np.zeros((1,) * len(self.domains), bool)
-    for a in self.axes:
-      out = out | (self._uses(positions, a) > 1)
-    return out
+    return _grid_terms(self.domains, self.mesh, tuple(positions))[1]
 
   def shards(self, positions) -> np.ndarray:
     """Devices a value whose dims sit at these positions is split over: the product of
     the sizes of the mesh axes chosen, each once (as `mesh_dims` assigns them)."""
-    positions = [q for q in positions if q is not None]
-    out = np.ones((1,) * len(self.domains), int)
-    for a in self.axes:
-      out = out * np.where(self._uses(positions, a) > 0, self.mesh.size(a), 1)
-    return out
+    return _grid_terms(self.domains, self.mesh,
+                       tuple(q for q in positions if q is not None))[0]
 
   def edge(self, ttype, src, partial, dst, profile):
     """(seconds, bytes sent, impossible) of one edge over the positions it reads."""
@@ -540,6 +520,26 @@ class _Grid:
         tuple(self.domains[q] for q in mine), self.mesh, profile)
     shape = [len(self.domains[q]) if q in label else 1 for q in range(len(self.domains))]
     return seconds.reshape(shape), nbytes.reshape(shape), fails.reshape(shape)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _grid_terms(domains, mesh: costlib.MeshSpec, positions: tuple[int, ...]
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """(shards, clash) of `_Grid` for these positions: the ops of a layer ask the same of
+  the same domains. Read-only: shared."""
+  shape = [1] * len(domains)
+  shards, clash = np.ones(shape, int), np.zeros(shape, bool)
+  for a in mesh.axis_names:
+    uses = np.zeros(shape, int)  # how many of the positions' choices hold `a`
+    for q in positions:
+      along = shape.copy()
+      along[q] = len(domains[q])
+      uses = uses + np.asarray([entry.count(a) for entry in domains[q]]).reshape(along)
+    shards = shards * np.where(uses > 0, mesh.size(a), 1)
+    clash = clash | (uses > 1)
+  for out in (shards, clash):
+    out.setflags(write=False)
+  return shards, clash
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -600,19 +600,21 @@ def _per_choice(side, domains, compute):
 def _divided(n, shards: np.ndarray) -> np.ndarray:
   """n / shards entry by entry, each division Python's on Python numbers (an int over
   an int rounds once, exactly), as one entry at a time divides."""
-  values, index = np.unique(shards, return_inverse=True)
-  return np.array([n / int(s) for s in values], float)[index].reshape(shards.shape)
+  return _pairwise(lambda s, _: n / s, shards, 0.0)
 
 
 def _pairwise(fn, x: np.ndarray, y) -> np.ndarray:
-  """fn(x, y) entry by entry (broadcast), called once per distinct pair."""
+  """fn(x, y) entry by entry (broadcast) on Python numbers, called once per distinct
+  pair. Tables are small (a few dozen entries): a dict beats sorting for uniques."""
   x, y = np.broadcast_arrays(x, np.asarray(y, float))
-  xs, xi = np.unique(x, return_inverse=True)
-  ys, yi = np.unique(y, return_inverse=True)
-  codes, index = np.unique(xi.ravel() * len(ys) + yi.ravel(), return_inverse=True)
-  out = [fn(int(xs[c // len(ys)]) if x.dtype.kind in "iu" else float(xs[c // len(ys)]),
-            float(ys[c % len(ys)])) for c in codes]
-  return np.array(out, float)[index].reshape(x.shape)
+  memo: dict = {}
+  out = []
+  for pair in zip(x.ravel().tolist(), y.ravel().tolist()):
+    found = memo.get(pair)
+    if found is None:
+      found = memo[pair] = fn(*pair)
+    out.append(found)
+  return np.array(out, float).reshape(x.shape)
 
 
 @functools.lru_cache(maxsize=1 << 18)

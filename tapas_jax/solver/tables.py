@@ -80,6 +80,7 @@ class TableBuilder:
     self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {} if cache is None else cache
     self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
+    self._splittable = [c.splittable for c in problem.classes]
     g = problem.graph
     self.ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
     self.producer = {v: op.index for op in self.ops for v in op.outputs}
@@ -407,14 +408,16 @@ class TableBuilder:
     return ttype
 
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
-    scope: list[int] = []
+    scope: dict[int, int] = {}  # class -> its position, in order of first use
+    splittable = self._splittable
 
     def pos(c):
-      if c is None or c < 0 or not self.p.classes[c].splittable:
+      if c is None or c < 0 or not splittable[c]:
         return None
-      if c not in scope:
-        scope.append(c)
-      return scope.index(c)
+      q = scope.get(c)
+      if q is None:
+        q = scope[c] = len(scope)
+      return q
 
     def place(dims):  # class ids -> scope positions; a fixed Layout stays as it is
       return dims if isinstance(dims, costlib.Layout) else tuple(pos(c) for c in dims)

@@ -91,7 +91,8 @@ def prepare(fn, args: Sequence[Any], *, mesh, kwargs: Mapping[str, Any] | None =
   profile = costlib.get_profile(config.device or default_device())
   mesh_spec = costlib.mesh_spec(axes, profile, config.links_map)
   graph = tracelib.trace(fn, *args, kwargs=kwargs)
-  with tracelib.collector_paused():
+  # The folded program and the problem live as long as the search.
+  with tracelib.collector_paused(long_lived=True):
     folded = foldlib.fold(graph)
     start = time.perf_counter()
     view = solverlib.folded_view(folded) if config.fold else solverlib.unfolded_view(graph)

@@ -268,33 +268,34 @@ def _segment_by_names(graph: Graph, top: Sequence[Op], blind: dict[int, str],
   tree = _ScopeTree(graph, top, stack_scopes, index)
   layers: dict[tuple[str, ...], list[int]] = {}
   glue: dict[tuple[str, ...], list[int]] = {}
-
-  def direct_ops(node):
-    inner = {i for c in tree.children[node] for i in tree.subtree[node + (c,)]}
-    return [i for i in tree.subtree[node] if i not in inner]
-
-  def visit(node):
-    kids = [node + (c,) for c in tree.children[node]]
-    fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.untransposed[k] or tree.subtree[k]],
-                                   signature=blind)
-           for k in kids if contracts(graph, tree.subtree[k])}
-    counts = collections.Counter(fps.values())
-    repeated = any(n >= 2 for n in counts.values())
-    for k in kids:
-      if (k in fps and counts[fps[k]] >= 2) or k in tree.loops:
-        layers[k] = tree.subtree[k]
-      elif repeated or not tree.children[k]:
-        glue[k] = tree.subtree[k]
-      else:
-        visit(k)
-    if node and (own := direct_ops(node)):
-      glue[node] = own
-
-  visit(())
+  _visit(graph, tree, blind, layers, glue, ())
   if not layers:
     return None
   return layers, glue
 
+
+def _visit(graph: Graph, tree: _ScopeTree, blind: dict[int, str], layers: dict,
+           glue: dict, node: tuple[str, ...]) -> None:
+  """`_segment_by_names`' walk down from scope `node`, filling `layers` and `glue`. Not
+  a closure: a recursive one is a cycle holding the graph until the collector runs."""
+  kids = [node + (c,) for c in tree.children[node]]
+  fps = {k: subgraph_fingerprint([graph.ops[i] for i in tree.untransposed[k] or tree.subtree[k]],
+                                 signature=blind)
+         for k in kids if contracts(graph, tree.subtree[k])}
+  counts = collections.Counter(fps.values())
+  repeated = any(n >= 2 for n in counts.values())
+  for k in kids:
+    if (k in fps and counts[fps[k]] >= 2) or k in tree.loops:
+      layers[k] = tree.subtree[k]
+    elif repeated or not tree.children[k]:
+      glue[k] = tree.subtree[k]
+    else:
+      _visit(graph, tree, blind, layers, glue, k)
+  if node:
+    inner = {i for c in tree.children[node] for i in tree.subtree[node + (c,)]}
+    own = [i for i in tree.subtree[node] if i not in inner]
+    if own:
+      glue[node] = own
 
 
 def _offset_blind(graph: Graph) -> dict[int, str]:

@@ -1,6 +1,7 @@
 """The public surface is small and pinned."""
 
 import dataclasses
+import gc
 import os
 import pathlib
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import tapas_jax as tapas
 import tapas_jax.fold
 import tapas_jax.trace
-from tapas_jax import baselines, options
+from tapas_jax import baselines, models, options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -332,3 +333,28 @@ def test_baseline_takes_a_config():
   with pytest.warns(UserWarning, match="over memory_budget="):
     baselines.baseline("data_parallel", f, W, X, mesh={"data": 8}, device="h100",
                        memory_budget=100)
+
+
+@pytest.mark.parametrize("name,config,mesh", [
+    ("gpt", "tiny", {"data": 2, "model": 4}),
+    ("t5", "tiny", {"data": 2, "model": 4}),
+    ("moe", "tiny", {"data": 2, "model": 4}),
+])
+def test_a_search_leaves_no_cycle_holding_its_graph(name, config, mesh):
+  # The trace and `prepare` hand what they make to the collector's oldest generation
+  # unscanned (`trace.collector_paused(long_lived=True)`): a cycle among it (a recursive
+  # closure over the graph) would hold the whole graph until a full collection.
+  m = models.get_model(name, config)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  gc.collect()
+  tapas.search(*args, mesh=mesh, device="h100")
+  gc.set_debug(gc.DEBUG_SAVEALL)
+  try:
+    gc.collect()
+    ours = [o for o in gc.garbage if isinstance(o, tapas_jax.trace.Graph)
+            or (type(o).__name__ == "function"
+                and getattr(o, "__module__", "").startswith("tapas_jax"))]
+  finally:
+    gc.set_debug(0)
+    gc.garbage.clear()
+  assert not ours, [getattr(o, "__qualname__", type(o).__name__) for o in ours]

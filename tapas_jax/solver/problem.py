@@ -499,18 +499,6 @@ def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
   """
   state = {cv(graph.inputs[j].value) for _, j in graph.carried}
   feeds: dict[int, bool] = {}
-
-  def into_update(v: int, depth: int = 0) -> bool:
-    """Whether every reader of v is the update, or a pointwise op leading only there
-    (a few deep: Adam's `(1 - b2) * g ** 2` is two before the update's add)."""
-    if v not in feeds:
-      users = graph.consumers.get(v, ())
-      feeds[v] = bool(users) and depth < 4 and all(
-          c in update or (c in rules and _pointwise(graph, graph.ops[c], rules[c])
-                          and all(into_update(w, depth + 1) for w in graph.ops[c].outputs))
-          for c in users)
-    return feeds[v]
-
   out = []
   for loop in sorted(view.loops):
     op = graph.ops[loop]
@@ -519,9 +507,24 @@ def _scan_cuts(graph: Graph, view: View, rules, update: frozenset[int], cv
         continue
       if outer in op.inputs and cv(outer) in state:
         out.append((loop, cv(outer), inner, True))
-      elif outer in op.outputs and into_update(outer):
+      elif outer in op.outputs and _into_update(graph, rules, update, feeds, outer):
         out.append((loop, cv(outer), inner, False))
   return tuple(out)
+
+
+def _into_update(graph: Graph, rules, update: frozenset[int], feeds: dict[int, bool],
+                 v: int, depth: int = 0) -> bool:
+  """Whether every reader of v is the update, or a pointwise op leading only there
+  (a few deep: Adam's `(1 - b2) * g ** 2` is two before the update's add); `feeds`
+  keeps the answers. Not a closure: a recursive one is a cycle holding the graph."""
+  if v not in feeds:
+    users = graph.consumers.get(v, ())
+    feeds[v] = bool(users) and depth < 4 and all(
+        c in update or (c in rules and _pointwise(graph, graph.ops[c], rules[c]) and all(
+            _into_update(graph, rules, update, feeds, w, depth + 1)
+            for w in graph.ops[c].outputs))
+        for c in users)
+  return feeds[v]
 
 
 @dataclasses.dataclass(frozen=True)

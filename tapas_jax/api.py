@@ -210,7 +210,9 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
   budget = resolve_budget(config.memory_budget, prepared.problem.profile)
   cache: dict = {}
 
-  @tracelib.collector_paused()
+  # What the solve makes dies with the call (by reference counting: it makes no
+  # cycles) or is the plan: the plan is promoted unscanned too.
+  @tracelib.collector_paused(long_lived=True)
   def solve(budget: float | None) -> planlib.Plan:
     start = time.perf_counter()
     solution = _solve(prepared, budget, config, cache=cache)

@@ -73,7 +73,10 @@ def layout_choice(problem: Problem, *, batch_axes: Sequence[str] = (), fsdp: boo
     ValueError: a path in `stored`, `used` or `split` names no input of the program.
   """
   g = problem.graph
-  by_path = {i.path: i for i in g.inputs}
+  split = tuple(split)
+  # Asked by path only where a layout names paths (a baseline's names none: the
+  # thousands of inputs of a deep program are not listed for it).
+  by_path = {i.path: i for i in g.inputs} if stored or used or split else {}
   for what, paths in (("stored", stored or {}), ("used", used or {}),
                       ("split", [p for p, _ in split])):
     missing = sorted(set(paths) - set(by_path))
@@ -86,10 +89,9 @@ def layout_choice(problem: Problem, *, batch_axes: Sequence[str] = (), fsdp: boo
     kept, layouts = experts.fsdp(problem)
     choice = {c: a for c, a in choice.items() if a}
     choice.update(kept)
-  split = tuple(split)
   if split or split_axes:
     _split(problem, choice, [(by_path[p].value, d) for p, d in split], tuple(split_axes))
-  for i in g.inputs:
+  for i in g.inputs if stored or used else ():  # in order: the first to ask a class wins
     rank = len(g.types[i.value].shape)
     if stored and i.path in stored:
       layouts[i.value] = costlib.Layout(_entries(stored[i.path], rank))

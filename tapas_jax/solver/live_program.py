@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from typing import Callable, Collection, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -119,11 +118,17 @@ class LiveProgram:
     """`update` as a mask over op indices, built once."""
     return mask(len(self.graph.ops), self.update)
 
+  @functools.cached_property
+  def value_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`fused`, `outputs` and `carried` as masks over value ids, built once."""
+    n = len(self.graph.types)
+    return mask(n, self.fused), mask(n, self.outputs), mask(n, self.carried)
+
 
 def live_program(problem: Problem, cache: dict | None, per_op: bool = False) -> LiveProgram:
   g = problem.graph
   top = tuple(g.region_ops(0))
-  pos = dict(zip(map(operator.attrgetter("index"), top), range(len(top))))
+  pos = dict(zip(g.top_wiring.index.tolist(), range(len(top))))  # `top`'s, from its array
   kept = top_level(g, cache, reductions_duplicate=problem.profile.reductions_duplicate,
                    dot_operands=problem.profile.dot_operand_fusion,
                    copies=() if per_op else problem.view.copies)

@@ -171,9 +171,9 @@ def mapped_entries(prog: LiveProgram, copies: Iterable[Copies], readers: Callabl
       n = len(g.ops)
       flags["ops"] = [prog.alive, mask(n, feeding), prog.updating,
                       mask(n, unmapped)]
-      m = len(g.types)
-      flags["values"] = [mask(m, prog.fused), mask(m, delivered)]
-      flags["out"] = [mask(m, prog.outputs), mask(m, prog.carried)]
+      fused, outputs, carried = prog.value_masks
+      flags["values"] = [fused, mask(len(g.types), delivered)]
+      flags["out"] = [outputs, carried]
     return flags
 
   parts = []

@@ -143,7 +143,7 @@ class _Found:
     last = np.full(len(g.types), -1)
     np.maximum.at(last, self.read[read], self.read_at[read])
     keep = ((last[self.made] >= 0) & self.alive[self.made_at]
-            & ~mask(len(g.types), self.prog.outputs)[self.made])
+            & ~self.prog.value_masks[1][self.made])
     values = self.made[keep]
     stand = canon[values].tolist()
     dims = {v: tuple(problem.reader_dims[(v, True)]) for v in set(stand)}
@@ -159,7 +159,7 @@ class _Found:
     neither delivered nor fused and read by feeding (or dead) ops only (one answer:
     readers come after)."""
     g, w = self.prog.graph, self.prog.graph.top_wiring
-    fused = mask(len(g.types), self.prog.fused)
+    fused = self.prog.value_masks[0]
     given = mask(len(g.types), delivered)
     may = np.zeros(len(self.alive), bool)
     front = np.unique(self.maker[np.fromiter(delivered, np.int64, len(delivered))])

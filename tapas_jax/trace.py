@@ -295,10 +295,12 @@ class Graph:
     the same path after the output's leading tuple index, and the same type (a train
     step's new state)."""
     by_path = {i.path: k for k, i in enumerate(self.inputs)}
-    out = []
+    types, inputs, out = self.types, self.inputs, []
     for k, (v, path) in enumerate(zip(self.outputs, self.output_paths)):
-      j = by_path.get(path.split("/", 1)[1]) if "/" in path else None
-      if j is not None and self.types[self.inputs[j].value] == self.types[v]:
+      _, cut, rest = path.partition("/")
+      j = by_path.get(rest) if cut else None
+      # Types are shared objects (a few dozen in a deep program): identity first.
+      if j is not None and ((t := types[inputs[j].value]) is types[v] or t == types[v]):
         out.append((k, j))
     return tuple(out)
 

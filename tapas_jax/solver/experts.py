@@ -107,38 +107,37 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
   n = math.prod(problem.mesh.size(a) for a in axes)
   stacked, compute = stacked_dims(problem), _compute_classes(problem)
   # Each question below is one of the value standing for the input (`View.canon`: a
-  # folded layer's copies of a parameter are laid out as their representative), and
-  # its shape: asked once per (that value, shape), not once per copy.
-  picks: dict[tuple, tuple[int, int] | None] = {}
-  picked: dict[int, tuple[int, int]] = {}  # state input -> (dim, class) stored split
-  kind: dict[int, tuple[int, int]] = {}  # state input -> (standing for, rank)
+  # folded layer's copies of a parameter are laid out as their representative), asked
+  # once per such value (in the order the inputs first name it), not once per copy.
+  canon, types, batch = problem.view.canon, problem.graph.types, problem.batch_inputs
+  group: dict[int, list[int]] = {}
   for i in problem.graph.inputs:
-    shape = problem.graph.types[i.value].shape
-    if i.value in problem.batch_inputs or not shape:
-      continue
-    key = (problem.cv(i.value), shape)
-    if key not in picks:
-      dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
-              if shape[d] % n == 0 and (key[0], d) not in stacked]
-      picks[key] = (dims[0], problem.vclass(i.value, dims[0])) if dims else None
-    if picks[key] is not None:
-      picked[i.value], kind[i.value] = picks[key], (key[0], len(shape))
+    if i.value not in batch and types[i.value].shape:
+      group.setdefault(canon.get(i.value, i.value), []).append(i.value)
+  picked: dict[int, tuple[int, int]] = {}  # standing for -> (dim, class) stored split
+  for s, (v, *_) in group.items():
+    shape = types[v].shape
+    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
+            if shape[d] % n == 0 and (s, d) not in stacked]
+    if dims:
+      picked[s] = (dims[0], problem.vclass(v, dims[0]))
   # A class may store one input's dim and be another dim of another input (a square
   # kernel's two dims): stored split, that input would name the axes twice.
-  kinds = {(*kind[v], k): v for v, (k, _) in picked.items()}
-  twice = {problem.vclass(v, d) for (_, rank, k), v in kinds.items()
-           for d in range(rank) if d != k}
-  choice, layouts = {}, {}
-  split: dict[tuple, bool] = {}  # (standing for, rank, dim, class) -> a storage class's
-  for v, (k, c) in picked.items():
-    key = (*kind[v], k, c)
-    if key not in split:
-      split[key] = (problem.stored_apart(v) and c not in compute and c not in twice
-                    and axes in problem.domains[c])
-    if split[key]:
+  twice = {problem.vclass(group[s][0], d) for s, (k, _) in picked.items()
+           for d in range(len(types[group[s][0]].shape)) if d != k}
+  choice, kept = {}, {}  # kept: standing for -> its fixed layout
+  for s, (k, c) in picked.items():
+    v = group[s][0]
+    if (problem.stored_apart(v) and c not in compute and c not in twice
+        and axes in problem.domains[c]):
       choice[c] = axes
     else:
-      layouts[v] = costlib.Layout(tuple(axes if d == k else () for d in range(key[1])))
+      kept[s] = costlib.Layout(tuple(axes if d == k else ()
+                                     for d in range(len(types[v].shape))))
+  # In the inputs' order (few: a program FSDP stores apart from its compute has none).
+  layouts = {v: kept[s] for v in (i.value for i in problem.graph.inputs)
+             if (s := canon.get(v, v)) in kept and v not in batch and types[v].shape
+             } if kept else {}
   for _, outer, _, read in problem.scan_cuts:
     # A scanned stack's gradient, made one layer per iteration: written into the stack
     # split as its parameter is stored (each layer reduce-scattered in the loop), not

@@ -191,7 +191,7 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   # The TPU compiler's rules read chains across instances: every op is walked there.
   if copies and top_level_program and not dot_operands:
     skip, mapped = _mapped(graph, copies, live, outputs, into_reduction)
-    top = _unskipped(top, skip)
+    top = _unskipped(graph, top, skip)
   else:
     mapped = ()
   out: set[int] = set()
@@ -256,10 +256,11 @@ def fused_values(graph: Graph, top: Sequence[Op], live: set[int],
   return out
 
 
-def _unskipped(top: Sequence[Op], skip: np.ndarray) -> list[Op]:
+def _unskipped(graph: Graph, top: Sequence[Op], skip: np.ndarray) -> list[Op]:
   """The ops of `top` that `skip` (a mask over the graph's ops) leaves, in order: one
   array lookup, not a set lookup per op of every copy."""
-  index = np.fromiter(map(operator.attrgetter("index"), top), int, len(top))
+  index = (graph.top_wiring.index if top is graph.region_ops(0)  # the top level's, built
+           else np.fromiter(map(operator.attrgetter("index"), top), int, len(top)))
   return list(map(top.__getitem__, np.flatnonzero(~skip[index]).tolist()))
 
 

@@ -381,15 +381,13 @@ def _made_constraints(problem: Problem, spec, top: Standing) -> list[Constraint]
   out = []
 
   def reduces(rep):
-    rule = rules.get(rep)
-    return rule is not None and bool(rule.reduce)
+    """A contraction of two tensors or more (asked of the op standing for others: a
+    copy has its representative's types)."""
+    rule, op = rules.get(rep), ops[rep]
+    return (rule is not None and bool(rule.reduce) and bool(op.outputs)
+            and sum(1 for x in op.inputs if types[x].shape and x not in literals) >= 2)
 
   for op in top.where(reduces):
-    if not op.outputs:
-      continue
-    tensors = [x for x in op.inputs if types[x].shape and x not in literals]
-    if len(tensors) < 2:
-      continue
     rep = op_canon.get(op.index, op.index)
     v = op.outputs[0]
     key = (rep, canon.get(v, v))

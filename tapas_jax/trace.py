@@ -299,7 +299,6 @@ class Graph:
     for k, (v, path) in enumerate(zip(self.outputs, self.output_paths)):
       _, cut, rest = path.partition("/")
       j = by_path.get(rest) if cut else None
-      # Types are shared objects (a few dozen in a deep program): identity first.
       if j is not None and ((t := types[inputs[j].value]) is types[v] or t == types[v]):
         out.append((k, j))
     return tuple(out)
@@ -692,10 +691,9 @@ def collector_paused(long_lived: bool = False):
       0.03 s, none freed; 0.02 s after a 96-layer GPT's fold and problem, 0.009 s
       after its solve and report).
       What becomes cyclic garbage among them is freed by the next full collection:
-      a few hundred of JAX's objects after tracing a `jax.checkpoint`ed step. Our own
-      stages make no cycles (no recursive closures, no table holding its builder:
-      `tests/api_test.py::test_a_search_leaves_no_cycle_holding_its_graph`). Objects
-      frozen before (the interpreter's immortal ones, a caller's) are thawed too.
+      a few hundred of JAX's objects after tracing a `jax.checkpoint`ed step; our
+      stages make none (`tests/api_test.py::test_a_search_leaves_no_cycle_holding_its_graph`).
+      Objects frozen before (the interpreter's immortal ones, a caller's) are thawed too.
   """
   enabled = gc.isenabled()
   gc.disable()

@@ -36,30 +36,39 @@ def memory_tables(problem: Problem,
   many copies of one parameter cost one table.
   """
   fixed = fixed or {}
-  total: dict[tuple[int, ...], float] = {}
-  tiled: dict[tuple[int, ...], np.ndarray] = {}
+  canon, types, tile = problem.view.canon, problem.graph.types, problem.profile.memory_tile
   fixed_bytes = 0.0
-  # A folded layer's copies of a parameter stand for one value: classes asked once.
-  scopes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+  # A folded layer's copies of a parameter stand for one value: the inputs are counted
+  # per (value standing for them, type), in the order they first appear, and each such
+  # kind's classes asked once.
+  count: dict[tuple, int] = {}
+  first: dict[tuple, int] = {}  # its first input
   for i in problem.graph.inputs:
-    t = problem.graph.types[i.value]
     if i.value in fixed:
+      t = types[i.value]
       fixed_bytes += (costlib.stored_bytes(costlib.local_shape(t.shape, fixed[i.value],
                                                                problem.mesh),
                                            t.itemsize, problem.profile)
-                      if problem.profile.memory_tile
-                      else t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh))
+                      if tile else t.nbytes / costlib.num_shards(fixed[i.value], problem.mesh))
       continue
-    at = (problem.cv(i.value), t.shape, t.dtype)
-    if at not in scopes:
-      dims = tuple(problem.vclass(i.value, d) for d in range(len(t.shape)))
-      scopes[at] = dims, _scope(problem, dims), t.nbytes
-    dims, key, nbytes = scopes[at]
-    if problem.profile.memory_tile:  # each shard's tiles: per input, per choice
+    at = (canon.get(i.value, i.value), id(types[i.value]))  # types are shared objects
+    if at in count:
+      count[at] += 1
+    else:
+      count[at], first[at] = 1, i.value
+  total: dict[tuple[int, ...], float] = {}
+  tiled: dict[tuple[int, ...], np.ndarray] = {}
+  for at, n in count.items():
+    v = first[at]
+    t = types[v]
+    dims = tuple(problem.vclass(v, d) for d in range(len(t.shape)))
+    key = _scope(problem, dims)
+    if tile:  # each shard's tiles: per input, per choice
       table = _stored_table(problem, t, dims, key)
-      tiled[key] = tiled[key] + table if key in tiled else table
+      for _ in range(n):  # added input by input, as the bytes of one each
+        tiled[key] = tiled[key] + table if key in tiled else table
       continue
-    total[key] = total.get(key, 0.0) + nbytes
+    total[key] = total.get(key, 0.0) + t.nbytes * n  # whole bytes: exact in a float
   out = [Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
   out += [Table(key, table, np.zeros_like(table)) for key, table in tiled.items()]
   return out + _bytes_tables(problem, total)

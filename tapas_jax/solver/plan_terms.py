@@ -120,7 +120,13 @@ def _decisions(problem: Problem, choice: Choice, reasons: Mapping[int, Reason]
 def _class_names(problem: Problem) -> dict[int, str]:
   """Names the program gives classes: logical axis names of parameter dims, "batch"."""
   g, out = problem.graph, {}
+  # A folded layer's copies of a parameter have the classes of the value standing for
+  # them: each (standing for, names) asked once, in the inputs' order.
+  asked = set()
   for i in g.inputs:
+    if not any(i.logical_axes) or (key := (problem.cv(i.value), i.logical_axes)) in asked:
+      continue
+    asked.add(key)
     for d, name in enumerate(i.logical_axes):
       if name:
         for c in {problem.vclass(i.value, d), problem.read_class(i.value, d)}:

@@ -91,8 +91,7 @@ def prepare(fn, args: Sequence[Any], *, mesh, kwargs: Mapping[str, Any] | None =
   profile = costlib.get_profile(config.device or default_device())
   mesh_spec = costlib.mesh_spec(axes, profile, config.links_map)
   graph = tracelib.trace(fn, *args, kwargs=kwargs)
-  # The folded program and the problem live as long as the search.
-  with tracelib.collector_paused(long_lived=True):
+  with tracelib.collector_paused():
     folded = foldlib.fold(graph)
     start = time.perf_counter()
     view = solverlib.folded_view(folded) if config.fold else solverlib.unfolded_view(graph)
@@ -210,9 +209,7 @@ def search(fn, *args, mesh, kwargs: Mapping[str, Any] | None = None,
   budget = resolve_budget(config.memory_budget, prepared.problem.profile)
   cache: dict = {}
 
-  # What the solve makes dies with the call (by reference counting: it makes no
-  # cycles) or is the plan: the plan is promoted unscanned too.
-  @tracelib.collector_paused(long_lived=True)
+  @tracelib.collector_paused()
   def solve(budget: float | None) -> planlib.Plan:
     start = time.perf_counter()
     solution = _solve(prepared, budget, config, cache=cache)

@@ -663,7 +663,7 @@ def subgraph_fingerprint(ops: Sequence[Op], inputs: Sequence[int] = (),
 
 
 @contextlib.contextmanager
-def collector_paused(long_lived: bool = False):
+def collector_paused():
   """Python's cyclic garbage collector off while the trace, the walk, the fold and the
   search run (on again after, if it was on).
 
@@ -675,25 +675,18 @@ def collector_paused(long_lived: bool = False):
   equations 0.36 -> 0.25-0.29 s; BENCHMARKS.md). `jax.make_jaxpr` too: tracing
   LLaMA-3-8B's step allocates about 100 thousand objects, enough for two full
   collections of the heap (0.2 of its 1.5 CPU seconds; the process's peak memory the
-  same either way). What they leave behind is freed by reference counting, any cycles
-  at the next collection.
+  same either way). What they leave behind is freed by reference counting.
 
-  On the way out the youngest generation is collected once: the collector would do it
-  at the next allocation anyway (far over its threshold), here in the stage that made it.
-
-  Args:
-    long_lived: what is made inside and not freed by reference counting lives on (the
-      traced program, its graph, the folded program and the problem, which the search
-      holds to its end; the plan, where the solve's tables die with the call): it is
-      handed to the oldest generation without a look (`gc.freeze` then
-      `gc.unfreeze`, microseconds) rather than walked by a young collection that
-      frees nothing (after the trace of LLaMA-3-8B's step: 155 thousand objects,
-      0.03 s, none freed; 0.02 s after a 96-layer GPT's fold and problem, 0.009 s
-      after its solve and report).
-      What becomes cyclic garbage among them is freed by the next full collection:
-      a few hundred of JAX's objects after tracing a `jax.checkpoint`ed step; our
-      stages make none (`tests/api_test.py::test_a_search_leaves_no_cycle_holding_its_graph`).
-      Objects frozen before (the interpreter's immortal ones, a caller's) are thawed too.
+  On the way out, what was made inside and lives on (the traced program and its graph,
+  the folded program and the problem, the plan) is handed to the oldest generation
+  without a look (`gc.freeze` then `gc.unfreeze`, microseconds) rather than walked by a
+  young collection that frees nothing (after the trace of LLaMA-3-8B's step: 155
+  thousand objects, 0.03 s, none freed; 0.02 s after a 96-layer GPT's fold and problem,
+  0.009 s after its solve and report). What becomes cyclic garbage among them is freed
+  by the next full collection: a few hundred of JAX's objects after tracing a
+  `jax.checkpoint`ed step; our stages make none
+  (`tests/api_test.py::test_a_search_leaves_no_cycle_holding_its_graph`). Objects
+  frozen before (the interpreter's immortal ones, a caller's) are thawed too.
   """
   enabled = gc.isenabled()
   gc.disable()
@@ -701,11 +694,8 @@ def collector_paused(long_lived: bool = False):
     yield
   finally:
     if enabled:
-      if long_lived:
-        gc.freeze()
-        gc.unfreeze()
-      else:
-        gc.collect(0)
+      gc.freeze()
+      gc.unfreeze()
       gc.enable()
 
 
@@ -763,7 +753,7 @@ def trace_with_jaxpr(fn: Callable[..., Any], *args: Any,
   # state), counted with it.
   flatten_s = time.perf_counter() - start
   # Tracing and the walk allocate objects per equation, which the graph keeps.
-  with collector_paused(long_lived=True):
+  with collector_paused():
     start = time.perf_counter()
     closed, out_shape = _make_jaxpr(fn, args, names, abstract, paths)
     trace_s = time.perf_counter() - start

@@ -343,7 +343,7 @@ def test_baseline_takes_a_config():
 @pytest.mark.parametrize("budget", [None, 0.7])
 def test_a_search_leaves_no_cycle_holding_its_graph(name, config, mesh, budget):
   # The trace, `prepare` and the solve hand what they make to the collector's oldest
-  # generation unscanned (`trace.collector_paused(long_lived=True)`): a cycle among it
+  # generation unscanned (`trace.collector_paused`): a cycle among it
   # (a recursive closure over the graph, a table holding its builder) would hold it
   # until a full collection.
   m = models.get_model(name, config)

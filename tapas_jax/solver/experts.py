@@ -134,10 +134,7 @@ def fsdp(problem: Problem) -> tuple[dict[int, tuple[str, ...]], dict[int, costli
     else:
       kept[s] = costlib.Layout(tuple(axes if d == k else ()
                                      for d in range(len(types[v].shape))))
-  # In the inputs' order (few: a program FSDP stores apart from its compute has none).
-  layouts = {v: kept[s] for v in (i.value for i in problem.graph.inputs)
-             if (s := canon.get(v, v)) in kept and v not in batch and types[v].shape
-             } if kept else {}
+  layouts = {v: layout for s, layout in kept.items() for v in group[s]}
   for _, outer, _, read in problem.scan_cuts:
     # A scanned stack's gradient, made one layer per iteration: written into the stack
     # split as its parameter is stored (each layer reduce-scattered in the loop), not

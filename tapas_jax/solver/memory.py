@@ -63,12 +63,12 @@ def memory_tables(problem: Problem,
     t = types[v]
     dims = tuple(problem.vclass(v, d) for d in range(len(t.shape)))
     key = _scope(problem, dims)
+    # Whole bytes, n inputs of them: exact in a float, whatever the order of the sums.
     if tile:  # each shard's tiles: per input, per choice
-      table = _stored_table(problem, t, dims, key)
-      for _ in range(n):  # added input by input, as the bytes of one each
-        tiled[key] = tiled[key] + table if key in tiled else table
+      table = _stored_table(problem, t, dims, key) * n
+      tiled[key] = tiled[key] + table if key in tiled else table
       continue
-    total[key] = total.get(key, 0.0) + t.nbytes * n  # whole bytes: exact in a float
+    total[key] = total.get(key, 0.0) + t.nbytes * n
   out = [Table((), np.array(fixed_bytes), np.array(0.0))] if fixed_bytes else []
   out += [Table(key, table, np.zeros_like(table)) for key, table in tiled.items()]
   return out + _bytes_tables(problem, total)

@@ -64,6 +64,13 @@ def aval_of(atom: Any) -> tuple[tuple[int, ...], str]:
   return tuple(map(int, shape)), _dtype_name(dtype)
 
 
+def type_key(atom: Any) -> Any:
+  """A hashable key equal for atoms of one `aval_of`, cheaper to make: the aval's own
+  shape and dtype, unconverted."""
+  aval = atom.aval
+  return getattr(aval, "shape", None), getattr(aval, "dtype", type(aval))
+
+
 # dtype -> its name: asked once per value traced, and numpy computes `dtype.name` anew
 # on every read (a tenth of the walk of an 8B train step).
 _DTYPE_NAMES: dict[Any, str] = {}

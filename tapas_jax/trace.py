@@ -139,6 +139,16 @@ class Op:
                                                     repr=False)
   barrier: int = dataclasses.field(default=0, compare=False)
 
+  @classmethod
+  def made(cls, **fields: Any) -> Op:
+    """`Op(**fields)`, every field given, without the frozen `__init__`'s setattr per
+    field: the walk makes an op per equation (2.0 against 0.3 us an op)."""
+    if len(fields) != len(cls.__dataclass_fields__):  # what `dataclasses.fields` reads
+      raise TypeError(f"Op.made: missing {sorted(set(cls.__dataclass_fields__) - set(fields))}")
+    op = object.__new__(cls)
+    op.__dict__.update(fields)
+    return op
+
 
 @dataclasses.dataclass(frozen=True)
 class Region:
@@ -433,14 +443,20 @@ _IGNORED_PARAMS = frozenset({"name", "debug_info", "source_info", "ctx_mesh",
                              "donated_invars"})
 
 
+_PLAIN = frozenset({type(None), bool, int, str})
+
+
 def _typed(value: Any) -> Any:
   """A value with its type and its items' types: equal keys, equal `_canon` text
   (8 and np.int64(8) are equal and hash alike, and their text differs)."""
+  kind = type(value)
+  if kind in _PLAIN:  # most params: asked first
+    return kind, value
   if isinstance(value, tuple):  # dimension numbers too (named tuples)
-    return type(value), tuple(map(_typed, value))
+    return kind, tuple(map(_typed, value))
   if isinstance(value, (float, np.floating)):  # 0.0 == -0.0
-    return type(value), repr(value)
-  return type(value), value
+    return kind, repr(value)
+  return kind, value
 
 
 def _canon(value: Any) -> str:
@@ -505,10 +521,12 @@ class _Walker:
     self._barrier, self._barriers = 0, 0  # the checkpoint call being inlined, and how many
 
   def new_value(self, atom: Any) -> int:
-    key = jx.aval_of(atom)
-    ttype = self._type_cache.get(key)
+    try:
+      ttype = self._type_cache.get(key := jx.type_key(atom))
+    except TypeError:  # an unhashable dtype: keyed by its name
+      ttype = self._type_cache.get(key := jx.aval_of(atom))
     if ttype is None:
-      ttype = self._type_cache[key] = TensorType(*key)
+      ttype = self._type_cache[key] = TensorType(*jx.aval_of(atom))
     self.types.append(ttype)
     return len(self.types) - 1
 
@@ -573,22 +591,21 @@ class _Walker:
     params = (self._params(eqn.params) if not fingerprints else tuple(sorted(
         (k, ",".join(fingerprints[k]) if k in fingerprints else _canon(v))
         for k, v in eqn.params.items() if k not in _IGNORED_PARAMS)))
-    self.ops[index] = Op(index=index, primitive=eqn.primitive.name, params=params,
-                         inputs=inputs, outputs=outputs, name_stack=stack, region=region,
-                         signature=self._signature(eqn.primitive.name, params, inputs,
-                                                   outputs),
-                         subregions=tuple(subregions), site=site, barrier=self._barrier,
-                         # jax's own dict (read, never written); copied only to leave
-                         # out the jaxprs of an equation that has some
-                         raw_params=eqn.params if not subs else {
-                             k: v for k, v in eqn.params.items()
-                             if not jx.is_jaxpr_param(v)})
+    sig = self._signature(eqn.primitive.name, params, inputs, outputs)
+    self.ops[index] = Op.made(
+        index=index, primitive=eqn.primitive.name, params=params, inputs=inputs,
+        outputs=outputs, name_stack=stack, region=region, signature=sig,
+        subregions=tuple(subregions), site=site, barrier=self._barrier,
+        # jax's own dict (read, never written); copied only to leave out the jaxprs of
+        # an equation that has some
+        raw_params=eqn.params if not subs else {
+            k: v for k, v in eqn.params.items() if not jx.is_jaxpr_param(v)})
 
   def _params(self, params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """`Op.params` of an equation without jaxprs in its params, kept by their values:
     a layer's equations repeat in every copy of it."""
     try:
-      key = tuple((k, _typed(v)) for k, v in params.items())
+      key = tuple([(k, _typed(v)) for k, v in params.items()])
       out = self._params_cache.get(key)
     except TypeError:  # an unhashable value (an array)
       key, out = None, None
@@ -667,24 +684,15 @@ def collector_paused():
   """Python's cyclic garbage collector off while the trace, the walk, the fold and the
   search run (on again after, if it was on).
 
-  The search allocates many small objects over a heap that holds the whole traced
-  program; each full collection those allocations trigger walks every live object, so
-  a deep program paid for its depth again in collections (a GPT train step at 96
-  layers: the report's 0.6 CPU seconds fell to 0.2 with the collector off; the fold of
-  a 48-layer remat step 0.67 -> 0.33 s; the walk of LLaMA-3-8B's 12.7 thousand
-  equations 0.36 -> 0.25-0.29 s; BENCHMARKS.md). `jax.make_jaxpr` too: tracing
-  LLaMA-3-8B's step allocates about 100 thousand objects, enough for two full
-  collections of the heap (0.2 of its 1.5 CPU seconds; the process's peak memory the
-  same either way). What they leave behind is freed by reference counting.
-
-  On the way out, what was made inside and lives on (the traced program and its graph,
-  the folded program and the problem, the plan) is handed to the oldest generation
-  without a look (`gc.freeze` then `gc.unfreeze`, microseconds) rather than walked by a
-  young collection that frees nothing (after the trace of LLaMA-3-8B's step: 155
-  thousand objects, 0.03 s, none freed; 0.02 s after a 96-layer GPT's fold and problem,
-  0.009 s after its solve and report). What becomes cyclic garbage among them is freed
-  by the next full collection: a few hundred of JAX's objects after tracing a
-  `jax.checkpoint`ed step; our stages make none
+  Each full collection that their many small allocations trigger walks every live
+  object, the whole traced program included, so a deep program paid for its depth
+  again in collections (`jax.make_jaxpr` of LLaMA-3-8B's step too; BENCHMARKS.md has
+  the figures). What they leave behind is freed by reference counting. On the way out,
+  what was made inside and lives on (the traced program, its graph, the problem, the
+  plan) is handed to the oldest generation without a look (`gc.freeze` then
+  `gc.unfreeze`, microseconds), rather than walked by a young collection that frees
+  nothing. Cyclic garbage among it is freed by the next full collection: a few hundred
+  of JAX's objects after tracing a `jax.checkpoint`ed step; our stages make none
   (`tests/api_test.py::test_a_search_leaves_no_cycle_holding_its_graph`). Objects
   frozen before (the interpreter's immortal ones, a caller's) are thawed too.
   """

@@ -270,10 +270,25 @@ def test_params_kept_by_value_keep_the_text_of_their_own_types():
   cases = [{"sizes": (8, 8), "axis": 3}, {"sizes": (np.int64(8), np.int64(8)), "axis": 3},
            {"axes": (True,)}, {"axes": (1,)}, {"dimension_numbers": dn},
            {"dimension_numbers": dn64}, {"sizes": (8, 8), "axis": 3, "name": "x"},
-           {"y": 0.0}, {"y": -0.0}, {"y": np.float32(-0.0)}]
+           {"y": 0.0}, {"y": -0.0}, {"y": np.float32(-0.0)}, {"y": True}, {"y": 1},
+           {"y": None}]
   fresh = [tuple(sorted((k, trace_module._canon(v)) for k, v in c.items()
                         if k not in trace_module._IGNORED_PARAMS)) for c in cases]
   assert [walker._params(c) for c in cases] == fresh
   assert [walker._params(c) for c in reversed(cases)] == fresh[::-1]  # from the cache
   assert len({fresh[0], fresh[1]}) == 2 and len({fresh[4], fresh[5]}) == 2
   assert len({fresh[7], fresh[8], fresh[9]}) == 3
+  assert len({fresh[10], fresh[11], fresh[12]}) == 3
+
+
+def test_ops_the_walk_makes_equal_the_dataclass_ones_and_miss_no_field():
+  """`Op.made`, the walk's constructor, gives what `Op(...)` gives, and refuses to make
+  an op with a field left out rather than one without the attribute."""
+  g = trace(lambda w, x: jnp.tanh(x @ w), sds(4, 8), sds(2, 4))
+  for op in g.ops:
+    fields = {f: getattr(op, f) for f in op.__dataclass_fields__}
+    again = trace_module.Op(**fields)
+    assert again == op and hash(again) == hash(op)
+    assert {f: getattr(again, f) for f in fields} == fields
+  with pytest.raises(TypeError, match="missing.*'barrier'"):
+    trace_module.Op.made(**{f: v for f, v in fields.items() if f != "barrier"})

@@ -31,6 +31,11 @@ fresh process, the fastest of `--repeat`:
   python scripts/bench_search_time.py --vs-jaxpr=32 --batch-axes=data --repeat=2
   python scripts/bench_search_time.py --vs-jaxpr=32 --batch-axes=data --budget=inf
 
+With --walk=N, the walk alone (`Graph.walk_s`, the closed jaxpr to our graph), the
+fastest of `--repeat` traces in one process:
+
+  python scripts/bench_search_time.py --walk=32 --repeat=7 --clock=cpu
+
 (`--budget`: "default", "inf" or bytes with --vs-jaxpr and --depths.)
 """
 
@@ -47,6 +52,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  
 
 import tapas_jax as tapas  # noqa: E402
 from tapas_jax import models  # noqa: E402
+from tapas_jax import trace as tracelib  # noqa: E402
 from tapas_jax.trace import collector_paused  # noqa: E402
 
 
@@ -72,6 +78,9 @@ def main():
                       help="comma-separated mesh axes the batch may take (default: any)")
   parser.add_argument("--vs-jaxpr", type=int, default=0,
                       help="layers: time the call end to end against a bare make_jaxpr")
+  parser.add_argument("--walk", type=int, default=0,
+                      help="layers: time the walk alone (the jaxpr to our graph), the "
+                      "fastest of --repeat traces in this process")
   parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--bare", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--paused", action="store_true", help=argparse.SUPPRESS)
@@ -81,6 +90,8 @@ def main():
     time.perf_counter = time.process_time
   if flags.one:
     return _one(flags)
+  if flags.walk:
+    return _walk(flags)
   if flags.bare:
     return _bare(flags)
   if flags.vs_jaxpr:
@@ -182,6 +193,15 @@ def _one(flags) -> None:
   # A commit before plan_s / report_s counts them in none (its "other" column).
   row = {k: getattr(plan.stats, k, 0.0) for k in _STAGES}
   print(json.dumps(dict(row, wall_s=wall, ops=plan.stats.num_equations)))
+
+
+def _walk(flags) -> None:
+  """`Graph.walk_s` (the walk from the closed jaxpr to the graph, the arguments'
+  flattening included), the fastest of `--repeat` traces of the step in one process."""
+  step, *args = _step(flags, flags.walk)
+  walks = [tracelib.trace(step, *args).walk_s for _ in range(flags.repeat)]
+  print(f"{flags.model} {flags.config}, {flags.walk} layers: the walk {min(walks):.4f} s "
+        f"(fastest of {flags.repeat}; {flags.clock} seconds)")
 
 
 def _depths(flags) -> None:

@@ -691,6 +691,58 @@ def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
     assert full.comm_bytes > 0  # a layout that communicates: nothing trivially equal
 
 
+@pytest.mark.parametrize("family,device", [("gpt", "h100"), ("t5", "tpu-v5p"),
+                                           ("moe", "h100"), ("llama", "tpu-v5p")])
+def test_layouts_costed_in_one_cache_share_tables_and_keep_their_own_figures(family, device):
+  # The report's baselines share one cache: one pinned problem per batch pin, its op
+  # tables kept per fixed layout of what each op reads. Each layout's figures are the
+  # ones it gets costed alone, whatever was costed before it, in either order.
+  m = models.get_model(family, "tiny")
+  prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
+                         mesh={"data": 2, "model": 4}, device=device)
+  problem = solver.with_batch_axes(prepared.problem, None)
+  layouts = [solver.layout_choice(problem, batch_axes=("data", "model"), fsdp=fsdp)
+             for fsdp in (False, True)]
+
+  def figures(solution):
+    return (solution.step_s, solution.comm_bytes, solution.state_bytes,
+            solution.activation_bytes)
+
+  alone = [figures(solver.evaluate(problem, layout, table_cache={}, figures_only=True))
+           for layout in layouts]
+  assert alone[0] != alone[1]  # the layouts differ in what they cost
+  for order in ((0, 1), (1, 0)):
+    cache: dict = {}
+    shared = {k: solver.evaluate(problem, layouts[k], table_cache=cache, figures_only=True)
+              for k in order}
+    assert [figures(shared[k]) for k in (0, 1)] == alone, order
+    assert shared[order[1]].tables_built < shared[order[0]].tables_built
+
+
+def test_op_tables_kept_in_one_cache_are_kept_per_fixed_layout_they_read():
+  # An op reading an input with no cut between (a plain function's weight) prices the
+  # move from the input's fixed layout in its own table: costed in one cache, each
+  # fixed layout keeps its own figures.
+  f32 = jax.numpy.float32
+  prepared = api.prepare(lambda w, x: jax.numpy.tanh(x @ w),
+                         (jax.ShapeDtypeStruct((64, 128), f32),
+                          jax.ShapeDtypeStruct((16, 64), f32)),
+                         mesh={"data": 2, "model": 4}, device="h100")
+  problem = prepared.problem
+  w = problem.graph.inputs[0].value
+  fixed = [None, {w: cost.Layout(("model", None))}, {w: cost.Layout((None, "data"))}]
+
+  def figures(layouts, cache):
+    s = solver.evaluate(problem, {}, input_layouts=layouts, table_cache=cache)
+    return s.step_s, s.comm_bytes
+
+  alone = [figures(layouts, {}) for layouts in fixed]
+  assert len(set(alone)) == 3, alone
+  cache: dict = {}
+  assert [figures(layouts, cache) for layouts in fixed] == alone
+  assert [figures(layouts, cache) for layouts in fixed[::-1]] == alone[::-1]
+
+
 def test_layout_choice_names_what_is_not_an_input():
   problem = gpt_problem(2, fold=True)
   with pytest.raises(ValueError, match=r"used names \['no/such/param'\], not inputs"):

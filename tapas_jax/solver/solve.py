@@ -291,9 +291,12 @@ def evaluate(problem: Problem, choice: Mapping[int, tuple[str, ...]] | LayoutCho
     index[c] = problem.domains[c].index(axes)
   costed = problem
   if figures_only and pin_batch:  # the batch's options: the choice's own alone
-    pinned = {c.index for c in problem.classes if c.batch}
-    costed = dataclasses.replace(problem, domains=tuple(
-        (d[index.get(c, 0)],) if c in pinned else d for c, d in enumerate(problem.domains)))
+    pinned = {c.index: index.get(c.index, 0) for c in problem.classes if c.batch}
+    # One problem per pin, so that baselines pinning the batch alike share its tables.
+    costed = memo(table_cache, ("pinned", tuple(pinned.items())), (problem,),
+                  lambda: dataclasses.replace(problem, domains=tuple(
+                      (d[pinned[c]],) if c in pinned else d
+                      for c, d in enumerate(problem.domains))))
     index = {c: 0 if c in pinned else k for c, k in index.items()}
   builder = TableBuilder(costed, reuse=True, input_layouts=input_layouts, cache=table_cache)
   tables = all_tables(costed, builder)

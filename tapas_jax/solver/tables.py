@@ -78,18 +78,18 @@ class TableBuilder:
     self.reuse = reuse
     self.fixed = dict(input_layouts or {})
     self.cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {} if cache is None else cache
-    self._partial: dict[int, tuple[int, ...]] = {}
     self.built = 0
     self._splittable = [c.splittable for c in problem.classes]
     g = problem.graph
-    self.ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
-    self.producer = {v: op.index for op in self.ops for v in op.outputs}
-    self._searched = {op.index for op in self.ops}
-    self.users: dict[int, list[int]] = {}
-    for op in self.ops:
-      for v in op.inputs:
-        self.users.setdefault(problem.cv(v), []).append(op.index)
     # The same for every builder over this program and view.
+    self.ops, self.producer, self._searched, self.users = memo(
+        self.cache, "searched ops", (g, problem.view), lambda: _searched_ops(problem))
+    # Filled as asked, shared by the builders of one problem (the report's baselines):
+    # what is partial where it is made depends on the problem alone; so do an op's
+    # tables, given the fixed layouts of what it reads (`op_tables`).
+    self._partial: dict[int, tuple[int, ...]] = memo(self.cache, "partial", (problem,), dict)
+    self._op_tables: dict[tuple, list[Table | None]] = memo(
+        self.cache, "op tables", (problem,), dict) if reuse else {}
     self.dead, self.unwritten = memo(self.cache, "unwritten", (g, problem.view),
                                      lambda: _dead_and_unwritten(problem, self.cache))
     # A loop's body reads its operands whole-summed: the loop is no op of the search.
@@ -263,6 +263,14 @@ class TableBuilder:
     its own: one joint table over every operand's classes would grow without bound.
     `shared`: operand slots whose reshard another op's read already pays for.
     """
+    fixed = tuple(map(self.fixed.get, op.inputs)) if self.fixed else ()
+    key = (op.index, shared, () if all(f is None for f in fixed) else fixed)
+    found = self._op_tables.get(key)
+    if found is None:
+      found = self._op_tables[key] = self._op_tables_of(op, shared)
+    return found
+
+  def _op_tables_of(self, op: Op, shared: frozenset[int]) -> list[Table | None]:
     if op.index in self.dead or all(self.p.cv(v) in self.p.free_values
                                      for v in op.outputs):
       return []  # XLA removes it, or folds it into its readers (a causal mask)
@@ -468,6 +476,20 @@ class TableBuilder:
     t = np.where(clash, np.inf, np.broadcast_to(total, shape)).astype(float)
     b = np.where(clash, 0.0, np.broadcast_to(sent, shape)).astype(float)
     return t, b
+
+
+def _searched_ops(problem: Problem) -> tuple[list[Op], dict[int, int], set[int],
+                                             dict[int, list[int]]]:
+  """(the ops searched, value -> the searched op making it, their indices, value
+  standing for others -> the searched ops reading it) of a problem's view."""
+  g = problem.graph
+  ops = [g.ops[i] for i in problem.view.ops if i not in problem.view.loops]
+  users: dict[int, list[int]] = {}
+  for op in ops:
+    for v in op.inputs:
+      users.setdefault(problem.cv(v), []).append(op.index)
+  return (ops, {v: op.index for op in ops for v in op.outputs}, {op.index for op in ops},
+          users)
 
 
 def _into_contractions(g, ops: Sequence[Op], depth: int = 4) -> bool:

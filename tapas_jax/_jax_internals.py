@@ -65,10 +65,10 @@ def aval_of(atom: Any) -> tuple[tuple[int, ...], str]:
 
 
 def type_key(atom: Any) -> Any:
-  """A hashable key equal for atoms of one `aval_of`, cheaper to make: the aval's own
-  shape and dtype, unconverted."""
+  """A key equal for atoms of one `aval_of`, cheaper to make: the aval's kind, its own
+  shape and dtype, unconverted (`aval_of` only where the key is new)."""
   aval = atom.aval
-  return getattr(aval, "shape", None), getattr(aval, "dtype", type(aval))
+  return type(aval), getattr(aval, "shape", None), getattr(aval, "dtype", None)
 
 
 # dtype -> its name: asked once per value traced, and numpy computes `dtype.name` anew

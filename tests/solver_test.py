@@ -664,15 +664,26 @@ def test_layout_choice_states_the_expert_layouts(options, splits):
     assert fc1 == [jax.sharding.PartitionSpec(None, "model")], fc1
 
 
+def _wide_problem(family: str, device: str):
+  """(prepared, its problem with the batch free to take any axis) of a tiny zoo train
+  step on data 2 x model 4, as the report's baselines cost it."""
+  m = models.get_model(family, "tiny")
+  prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
+                         mesh={"data": 2, "model": 4}, device=device)
+  return prepared, solver.with_batch_axes(prepared.problem, None)
+
+
+def _figures(solution) -> tuple[float, ...]:
+  return (solution.step_s, solution.comm_bytes, solution.state_bytes,
+          solution.activation_bytes)
+
+
 @pytest.mark.parametrize("family,device", [("gpt", "h100"), ("t5", "tpu-v5p"),
                                            ("resnet", "cpu"), ("moe", "h100")])
 def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
   # `figures_only` builds each table over the chosen options only (or, unpinned, looks
   # up the full costing's): the same floats, for every expert layout, with remat too.
-  m = models.get_model(family, "tiny")
-  prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
-                         mesh={"data": 2, "model": 4}, device=device)
-  problem = solver.with_batch_axes(prepared.problem, None)
+  prepared, problem = _wide_problem(family, device)
   u = prepared.folded.unique_layers[0].index
   for options, remat in ((dict(batch_axes=("data", "model")), None),
                          (dict(batch_axes=("data", "model"), fsdp=True), None),
@@ -685,8 +696,7 @@ def test_a_layouts_figures_alone_are_its_full_costs_figures(family, device):
       built = cache.copy()
       alone = solver.evaluate(problem, layout, table_cache=built, folded=prepared.folded,
                               remat=remat, figures_only=True, pin_batch=pin)
-      assert (alone.step_s, alone.comm_bytes, alone.state_bytes, alone.activation_bytes) == (
-          full.step_s, full.comm_bytes, full.state_bytes, full.activation_bytes), options
+      assert _figures(alone) == _figures(full), options
       assert (alone.tables_built > 0) == pin  # unpinned: every table is the full one's
     assert full.comm_bytes > 0  # a layout that communicates: nothing trivially equal
 
@@ -697,25 +707,17 @@ def test_layouts_costed_in_one_cache_share_tables_and_keep_their_own_figures(fam
   # The report's baselines share one cache: one pinned problem per batch pin, its op
   # tables kept per fixed layout of what each op reads. Each layout's figures are the
   # ones it gets costed alone, whatever was costed before it, in either order.
-  m = models.get_model(family, "tiny")
-  prepared = api.prepare(m.train_step(), (m.abstract_state(), m.batch_spec(8)),
-                         mesh={"data": 2, "model": 4}, device=device)
-  problem = solver.with_batch_axes(prepared.problem, None)
+  _, problem = _wide_problem(family, device)
   layouts = [solver.layout_choice(problem, batch_axes=("data", "model"), fsdp=fsdp)
              for fsdp in (False, True)]
-
-  def figures(solution):
-    return (solution.step_s, solution.comm_bytes, solution.state_bytes,
-            solution.activation_bytes)
-
-  alone = [figures(solver.evaluate(problem, layout, table_cache={}, figures_only=True))
+  alone = [_figures(solver.evaluate(problem, layout, table_cache={}, figures_only=True))
            for layout in layouts]
   assert alone[0] != alone[1]  # the layouts differ in what they cost
   for order in ((0, 1), (1, 0)):
     cache: dict = {}
     shared = {k: solver.evaluate(problem, layouts[k], table_cache=cache, figures_only=True)
               for k in order}
-    assert [figures(shared[k]) for k in (0, 1)] == alone, order
+    assert [_figures(shared[k]) for k in (0, 1)] == alone, order
     assert shared[order[1]].tables_built < shared[order[0]].tables_built
 
 

@@ -67,11 +67,15 @@ class DeviceProfile:
       the activations in non-canonical slots). The memory model counts the copies.
     combine_threshold_bytes: most bytes of gradients the compiler's combiner puts
       into one reduction (XLA GPU's `xla_gpu_all_reduce_combine_threshold_bytes`
-      and its reduce-scatter twin default to 30 MiB; assumed the same on TPU, whose
-      flags are not public). XLA:CPU combines every gradient into one reduction at
-      the end of the backward pass (measured on the zoo: its temporaries hold every
-      gradient twice there), which is infinite here. Gradients wait for their
-      combined reduction, so this sets how many are live at once.
+      and its reduce-scatter twin default to 30 MiB; the same on TPU, where libtpu's
+      own thresholds are 120 MiB (`xla_jf_crs_combiner_threshold_in_bytes` in its
+      dumped environment) but its reductions are not combined up to them: at 120 MiB
+      the small zoo's memory reads 18 of 24 rows within 10% of the compiler, 20 at 30
+      MiB; BENCHMARKS.md "A scanned stack's weights cast once"). XLA:CPU combines
+      every gradient into one reduction at the end of the backward pass (measured on
+      the zoo: its temporaries hold every gradient twice there), which is infinite
+      here. Gradients wait for their combined reduction, so this sets how many are
+      live at once.
     glue_gradients_last: whether the compiler makes a weight gradient that no layer
       holds (an lm_head's, a classifier head's: nothing orders it, `apply`'s fences order
       only the layers') after the backward of every layer below, just before the
@@ -177,6 +181,14 @@ class DeviceProfile:
       gradient slice past the write; BENCHMARKS.md "A scanned stack's loop writes its
       gradients into their stacks"); XLA:CPU is modelled without it (a scanned tiny
       LLaMA at 2 layers would be 0.86 of XLA:CPU's figure with it).
+    casts_loop_stacks: whether a stacked program input whose slice a loop's body only
+      converts to a narrower float (a scanned layer stack's f32 weights cast to bf16
+      for its dots) is converted whole once, before the first loop reading it, and
+      that copy read by every loop after it, held until the last. The TPU compiler
+      does (libtpu 0.0.50.1, LLaMA-3-70B under `nn.scan` on v5p:4x8x8: `bf16[80,...]`
+      converts of the weights' stored shards, 6.1 GiB a device, live from before the
+      forward loop to the end of the backward one; BENCHMARKS.md "A scanned stack's
+      weights cast once"); XLA:CPU is modelled without it.
 
   Example:
     >>> get_profile("h100").intra_bandwidth
@@ -211,6 +223,7 @@ class DeviceProfile:
   buffer_granule_bytes: int = 1
   copies_conv_inputs: bool = False
   stacks_in_place: bool = False
+  casts_loop_stacks: bool = False
 
   def bandwidth(self, link: str) -> float:
     """Unidirectional bytes/s per chip on an "intra" or "inter" link."""
@@ -230,7 +243,7 @@ _TPU_2D_GATHERS = dict(all_gather_as_all_reduce_up_to_bytes=16 * 2**20)
 # How the TPU compiler stores arrays (the fields' doc): the same on every generation.
 _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
                     stores_dot_operands_in_bf16=True, copies_donated_inputs=False,
-                    copies_conv_inputs=True, stacks_in_place=True)
+                    copies_conv_inputs=True, stacks_in_place=True, casts_loop_stacks=True)
 # How the TPU compiler orders the backward (the field's doc): the same on every generation.
 _TPU_SCHEDULE = dict(glue_gradients_last=True)
 
@@ -431,7 +444,7 @@ _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_dupl
                     "reduce_scatter_as_all_reduce",
                     "gathers_dot_operands_in_bf16", "reassociates_all_reduces",
                     "memory_tile", "buffer_granule_bytes", "stores_dot_operands_in_bf16",
-                    "copies_conv_inputs", "stacks_in_place")
+                    "copies_conv_inputs", "stacks_in_place", "casts_loop_stacks")
 
 
 def compiled_by_xla_cpu(profile: str | DeviceProfile) -> DeviceProfile:

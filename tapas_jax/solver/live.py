@@ -26,6 +26,7 @@ from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.reorder import glue_gradients_last
 from tapas_jax.solver.live_program import (Entries, LiveProgram, live_program,
                                             readers_through)
+from tapas_jax.solver.loop_casts import add_loop_casts
 from tapas_jax.solver.template import Reach, mapped_entries, merge
 from tapas_jax.solver.update_reads import UpdateReads
 from tapas_jax.solver.views import scan_bindings, scan_region
@@ -178,6 +179,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
   add_conv_input_copies(entries, problem, prog)
+  add_loop_casts(entries, problem, prog)
   return _record(entries, problem, len(prog.top), _narrowed(problem, prog, entries))
 
 

@@ -62,11 +62,13 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import _jax_internals as jx
+from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
 from tapas_jax.solver.live import Activations, kernel_share, loop_body_values
 from tapas_jax.solver.live_program import Entries
+from tapas_jax.solver.loop_casts import cast_stacks
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region, searched_instances
@@ -391,10 +393,12 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
 def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRemat]
                      ) -> Activations:
   """The live ranges once scanned stacks are rematerialised: the dropped stacked
-  residuals are never written (their entries take no bytes), a carry the recomputation
-  reads is written out stacked from the forward loop to the backward one, and one
-  iteration's recomputed values are live with the backward's body (counted as
-  `live.loop_body_values` counts a body: together, at the loop's position)."""
+  residuals are never written (their entries take no bytes), but a stacked input's cast
+  slices among them are its whole stack cast once (`_cast_once`), a carry the
+  recomputation reads is written out stacked from the forward loop to the backward one
+  (both held from the one loop to the other), and one iteration's recomputed values are
+  live with the backward's body (counted as `live.loop_body_values` counts a body:
+  together, at the loop's position)."""
   g = problem.graph
   pos = {op.index: j for j, op in enumerate(g.region_ops(0))}
   nbytes = acts.nbytes.copy()
@@ -421,6 +425,11 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
     fop = g.ops[r.forward]
     fr = scan_region(g, fop)
     consts = jx.scan_counts(fop.raw_params).num_consts
+    for v, itemsize in _cast_once(problem, r):
+      shape = g.types[v].shape
+      extra.add(pos[r.forward], pos[r.backward],
+                costlib.stored_bytes(shape, itemsize, problem.profile), v, classes(v),
+                padded=True)
     for c in r.carries:
       v = fr.inputs[consts + c]
       extra.add(pos[r.forward], pos[r.backward], r.trip_count * g.types[v].nbytes, v,
@@ -430,6 +439,19 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
       extra.add(pos[r.backward], pos[r.backward], g.types[v].nbytes if share is None
                 else share, v, classes(v) if share is None else (None,) * len(classes(v)))
   return acts.with_entries(extra, nbytes=nbytes)
+
+
+def _cast_once(problem: Problem, r: ScanRemat) -> list[tuple[int, int]]:
+  """(stacked program input, itemsize) of the dropped residuals that are its cast
+  slices: the compiler still casts the whole stack, once, before the loops, and holds
+  the copy (as the input is stored) until the backward one has read it
+  (`DeviceProfile.casts_loop_stacks`)."""
+  if not problem.profile.casts_loop_stacks:
+    return []
+  g = problem.graph
+  fop = g.ops[r.forward]
+  dropped = {scan_region(g, fop).outputs[s] for _, s in r.dropped}
+  return [(v, itemsize) for v, casts, itemsize in cast_stacks(g, fop) if casts & dropped]
 
 
 def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:

@@ -813,9 +813,11 @@ def _cast_stack_step(checkpointed: bool):
   return step
 
 
-def _cast_copies(device, checkpointed: bool, policy=None) -> list[tuple[int, int, float]]:
-  """(start, stop, bytes) of the entries holding the stacked weights' input value (its
-  bf16 copy) in the data-parallel plan's activations, (4, 512, 512) f32 weights."""
+def _cast_copies(device, checkpointed: bool, policy=None
+                 ) -> list[tuple[int, int, float, str]]:
+  """(start, stop, bytes, what `largest_live` says it holds) of the entries holding the
+  stacked weights' input value (its bf16 copy) in the data-parallel plan's activations,
+  (4, 512, 512) f32 weights."""
   args = (jax.ShapeDtypeStruct((4, 512, 512), jnp.float32),
           jax.ShapeDtypeStruct((4 * 256, 512), jnp.bfloat16))
   step = _cast_stack_step(checkpointed)
@@ -826,8 +828,8 @@ def _cast_copies(device, checkpointed: bool, policy=None) -> list[tuple[int, int
     acts = remat.with_remat(prepared.problem, acts, [
         r for u in folded.unique_layers for r in remat.layer_remats(folded, u.index, policy)])
   ws = prepared.problem.graph.inputs[0].value
-  return [(int(a), int(b), float(n)) for a, b, n, v in
-          zip(acts.start, acts.stop, acts.nbytes, acts.values) if v == ws]
+  return [(int(acts.start[k]), int(acts.stop[k]), float(acts.nbytes[k]), acts.notes.get(k, ""))
+          for k, v in enumerate(acts.values) if v == ws]
 
 
 @pytest.mark.parametrize("checkpointed", [True, False], ids=["jax.checkpoint", "tapas remat"])
@@ -845,7 +847,8 @@ def test_a_stacked_f32_input_cast_in_its_loops_is_held_once_in_bf16(checkpointed
       _cast_stack_step(checkpointed), (jax.ShapeDtypeStruct((4, 512, 512), jnp.float32),
                                        jax.ShapeDtypeStruct((4 * 256, 512), jnp.bfloat16)),
       mesh={"data": 4}, device=tpu).problem.graph.region_ops(0)) if op.subregions]
-  assert copies == [(loops[0], loops[-1], 4 * 512 * 512 * 2)], copies
+  assert copies == [(loops[0], loops[-1], 4 * 512 * 512 * 2,
+                     "cast once to bfloat16 for the loops reading it")], copies
   off = dataclasses.replace(tpu, casts_loop_stacks=False)
   assert _cast_copies(off, checkpointed, policy) == []
 

@@ -47,7 +47,8 @@ def add_conv_input_copies(entries: Entries, problem: Problem, prog: LiveProgram)
       continue
     dims = tuple(problem.vclass(v, d) for d in range(len(shape)))
     unless = (dims[batch],) if shape[batch] < 2 * profile.memory_tile[0] else ()
-    entries.add(readers[0], readers[-1], nbytes, v, dims, unless=unless, padded=True)
+    entries.add(readers[0], readers[-1], nbytes, v, dims, unless=unless, padded=True,
+                note="copied into its convolutions' layout")
 
 
 def _conv_readers(prog: LiveProgram, v: int) -> list[int]:

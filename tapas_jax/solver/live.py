@@ -56,6 +56,7 @@ class Activations:
     only: per entry, classes one of which must be split for the entry to take memory
       (a gradient's partial sums beside their reduced copy as the reduction runs:
       no reduction where none is split); () for none, as for entries past its end.
+    notes: entry -> what it holds, for the copies of an input its value does not name.
   """
 
   start: np.ndarray
@@ -67,6 +68,7 @@ class Activations:
   stored: tuple[tuple[int, ...] | None, ...] = ()
   unless: tuple[tuple[int, ...], ...] = ()
   only: tuple[tuple[int, ...], ...] = ()
+  notes: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
   def with_entries(self, extra: Entries, *, start: np.ndarray | None = None,
                    stop: np.ndarray | None = None, nbytes: np.ndarray | None = None
@@ -84,7 +86,8 @@ class Activations:
                         np.array(extra.nbytes, float)]),
         self.dims + tuple(extra.dims), self.length, self.values + tuple(extra.values),
         tuple(self.stored or (None,) * n) + tuple(extra.stored),
-        pad(self.unless) + tuple(extra.unless), pad(self.only) + tuple(extra.only))
+        pad(self.unless) + tuple(extra.unless), pad(self.only) + tuple(extra.only),
+        {**self.notes, **{n + k: note for k, note in extra.notes.items()}})
 
   def unless_of(self, k: int) -> tuple[int, ...]:
     return self.unless[k] if k < len(self.unless) else ()
@@ -243,7 +246,8 @@ def _record(entries: Entries, problem: Problem, length: int,
                      _as_stored(problem, entries.nbytes, entries.values, narrowed,
                                 entries.padded),
                      tuple(entries.dims), length, tuple(entries.values),
-                     tuple(entries.stored), tuple(entries.unless), tuple(entries.only))
+                     tuple(entries.stored), tuple(entries.unless), tuple(entries.only),
+                     dict(entries.notes))
 
 
 def _add_made(entries: Entries, problem: Problem, prog: LiveProgram, conv,

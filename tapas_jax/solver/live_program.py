@@ -157,11 +157,13 @@ class Entries:
     self.unless: list[tuple[int, ...]] = []
     self.only: list[tuple[int, ...]] = []
     self.padded: list[bool] = []  # its bytes are the value's as stored already
+    self.notes: dict[int, str] = {}  # entry -> what it holds, where its value does not say
 
   def add(self, start: int, stop: int, nbytes: float, value: int, dims, *,
           stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = (),
-          padded: bool = False) -> int:
-    """Adds one entry; returns its index. `padded`: `nbytes` is as stored already."""
+          padded: bool = False, note: str = "") -> int:
+    """Adds one entry; returns its index. `padded`: `nbytes` is as stored already;
+    `note`: what a copy of an input holds, for `memory.largest_live`."""
     self.start.append(start)
     self.stop.append(stop)
     self.nbytes.append(nbytes)
@@ -171,6 +173,8 @@ class Entries:
     self.unless.append(unless)
     self.only.append(only)
     self.padded.append(padded)
+    if note:
+      self.notes[len(self.start) - 1] = note
     return len(self.start) - 1
 
 

@@ -268,7 +268,9 @@ def largest_live(problem: Problem, acts: Activations, choice, top: int = 3) -> s
   rows = []
   for k in live[np.argsort(-per_device[live])][:top]:
     v = acts.values[k]
-    if v in g.producer:
+    if k in acts.notes:
+      what = f"{g.input_path.get(v, 'an input')} {acts.notes[k]}"
+    elif v in g.producer:
       op = g.ops[g.producer[v]]
       what = f"{op.name_stack or '(top)'}/{op.primitive}"
     elif v in sliced:  # a scan cut's: one layer's slice of a stacked input

@@ -62,13 +62,12 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tapas_jax import _jax_internals as jx
-from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
 from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
 from tapas_jax.solver.live import Activations, kernel_share, loop_body_values
 from tapas_jax.solver.live_program import Entries
-from tapas_jax.solver.loop_casts import cast_stacks
+from tapas_jax.solver.loop_casts import add_cast, cast_stacks
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.tables import Table, TableBuilder, evaluate_tables
 from tapas_jax.solver.views import scan_region, searched_instances
@@ -425,11 +424,8 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
     fop = g.ops[r.forward]
     fr = scan_region(g, fop)
     consts = jx.scan_counts(fop.raw_params).num_consts
-    for v, itemsize in _cast_once(problem, r):
-      shape = g.types[v].shape
-      extra.add(pos[r.forward], pos[r.backward],
-                costlib.stored_bytes(shape, itemsize, problem.profile), v, classes(v),
-                padded=True)
+    for v, dtype in _cast_once(problem, r):
+      add_cast(extra, problem, v, classes(v), dtype, pos[r.forward], pos[r.backward])
     for c in r.carries:
       v = fr.inputs[consts + c]
       extra.add(pos[r.forward], pos[r.backward], r.trip_count * g.types[v].nbytes, v,
@@ -441,8 +437,8 @@ def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRe
   return acts.with_entries(extra, nbytes=nbytes)
 
 
-def _cast_once(problem: Problem, r: ScanRemat) -> list[tuple[int, int]]:
-  """(stacked program input, itemsize) of the dropped residuals that are its cast
+def _cast_once(problem: Problem, r: ScanRemat) -> list[tuple[int, str]]:
+  """(stacked program input, dtype cast to) of the dropped residuals that are its cast
   slices: the compiler still casts the whole stack, once, before the loops, and holds
   the copy (as the input is stored) until the backward one has read it
   (`DeviceProfile.casts_loop_stacks`)."""
@@ -451,7 +447,7 @@ def _cast_once(problem: Problem, r: ScanRemat) -> list[tuple[int, int]]:
   g = problem.graph
   fop = g.ops[r.forward]
   dropped = {scan_region(g, fop).outputs[s] for _, s in r.dropped}
-  return [(v, itemsize) for v, casts, itemsize in cast_stacks(g, fop) if casts & dropped]
+  return [(v, dtype) for v, casts, dtype in cast_stacks(g, fop) if casts & dropped]
 
 
 def _recomputed_live(problem: Problem, r: ScanRemat) -> list[int]:

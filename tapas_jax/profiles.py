@@ -168,9 +168,12 @@ class DeviceProfile:
       images' own layout has C or N in the lanes (C=128 or 256; N=128; C=64 at 32x32
       and 56x56) there is none; the small ResNet's 64x64 images at 8 per device: 4.0
       MiB). Below 8 images per device (2 to 7 measured) the compiler lowers the
-      convolution otherwise and makes no such copy: the entry vanishes where the batch
-      is split, for a batch under twice the tile's rows; the padding is the unsplit
-      value's, as for every activation. BENCHMARKS.md "The convolution's own layout".
+      forward convolution otherwise, without the copy; the small ViT's kernel
+      gradient still reads one, made just before it (libtpu 0.0.50.1: 49 MiB at 4
+      images a device, 24.5 MiB at 2), so that entry is counted there alone. Both
+      are the copy of each device's shard, padded as the compiler pads it
+      (`Activations.shard_bytes`). BENCHMARKS.md "The convolution's own layout" and
+      "The images' copy for the kernel gradient".
     buffer_granule_bytes: the size every buffer is rounded up to (TPU: 512 bytes, the
       smallest array it allocates, f32[1] or int8[2,3,5] alike).
     stacks_in_place: whether a loop body's slice that the loop stacks into a result

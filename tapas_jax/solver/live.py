@@ -57,6 +57,8 @@ class Activations:
       (a gradient's partial sums beside their reduced copy as the reduction runs:
       no reduction where none is split); () for none, as for entries past its end.
     notes: entry -> what it holds, for the copies of an input its value does not name.
+    shard_bytes: entry -> its bytes on one device from its shard's shape, for entries
+      the compiler lays out per shard (a convolution's copy pads its batch to a tile).
   """
 
   start: np.ndarray
@@ -69,6 +71,8 @@ class Activations:
   unless: tuple[tuple[int, ...], ...] = ()
   only: tuple[tuple[int, ...], ...] = ()
   notes: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  shard_bytes: Mapping[int, Callable[[tuple[int, ...]], float]] = dataclasses.field(
+      default_factory=dict)
 
   def with_entries(self, extra: Entries, *, start: np.ndarray | None = None,
                    stop: np.ndarray | None = None, nbytes: np.ndarray | None = None
@@ -87,7 +91,8 @@ class Activations:
         self.dims + tuple(extra.dims), self.length, self.values + tuple(extra.values),
         tuple(self.stored or (None,) * n) + tuple(extra.stored),
         pad(self.unless) + tuple(extra.unless), pad(self.only) + tuple(extra.only),
-        {**self.notes, **{n + k: note for k, note in extra.notes.items()}})
+        {**self.notes, **{n + k: note for k, note in extra.notes.items()}},
+        {**self.shard_bytes, **{n + k: f for k, f in extra.shard_bytes.items()}})
 
   def unless_of(self, k: int) -> tuple[int, ...]:
     return self.unless[k] if k < len(self.unless) else ()
@@ -247,7 +252,7 @@ def _record(entries: Entries, problem: Problem, length: int,
                                 entries.padded),
                      tuple(entries.dims), length, tuple(entries.values),
                      tuple(entries.stored), tuple(entries.unless), tuple(entries.only),
-                     dict(entries.notes))
+                     dict(entries.notes), dict(entries.shard_bytes))
 
 
 def _add_made(entries: Entries, problem: Problem, prog: LiveProgram, conv,

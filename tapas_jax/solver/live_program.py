@@ -158,12 +158,16 @@ class Entries:
     self.only: list[tuple[int, ...]] = []
     self.padded: list[bool] = []  # its bytes are the value's as stored already
     self.notes: dict[int, str] = {}  # entry -> what it holds, where its value does not say
+    self.shard_bytes: dict[int, Callable[[tuple[int, ...]], float]] = {}
 
   def add(self, start: int, stop: int, nbytes: float, value: int, dims, *,
           stored=None, unless: tuple[int, ...] = (), only: tuple[int, ...] = (),
-          padded: bool = False, note: str = "") -> int:
+          padded: bool = False, note: str = "",
+          shard_bytes: Callable[[tuple[int, ...]], float] | None = None) -> int:
     """Adds one entry; returns its index. `padded`: `nbytes` is as stored already;
-    `note`: what a copy of an input holds, for `memory.largest_live`."""
+    `note`: what a copy of an input holds, for `memory.largest_live`; `shard_bytes`:
+    its bytes on a device from its shard's shape, where `nbytes` over the shards is
+    not what the compiler stores (`Activations.shard_bytes`)."""
     self.start.append(start)
     self.stop.append(stop)
     self.nbytes.append(nbytes)
@@ -175,6 +179,8 @@ class Entries:
     self.padded.append(padded)
     if note:
       self.notes[len(self.start) - 1] = note
+    if shard_bytes is not None:
+      self.shard_bytes[len(self.start) - 1] = shard_bytes
     return len(self.start) - 1
 
 

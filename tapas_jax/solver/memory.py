@@ -77,14 +77,23 @@ def memory_tables(problem: Problem,
 def _stored_table(problem: Problem, t, dims, scope) -> np.ndarray:
   """An input's per-device bytes as the compiler stores its shard (`cost.stored_bytes`),
   for every choice of its scope's domains."""
+  return _shard_table(problem, t.shape, dims, scope,
+                      lambda shape: costlib.stored_bytes(shape, t.itemsize, problem.profile))
+
+
+def _shard_table(problem: Problem, shape, dims, scope, shard_bytes) -> np.ndarray:
+  """`shard_bytes` of a value's shard, for every choice of its scope's domains."""
   domains = tuple(problem.domains[c] for c in scope)
   table = np.empty(tuple(len(d) for d in domains), float)
   for idx in itertools.product(*(range(len(d)) for d in domains)):
-    axes = _axes(dims, {c: domains[k][j] for k, (c, j) in enumerate(zip(scope, idx))})
-    shape = [-(-n // math.prod(problem.mesh.size(a) for a in d))
-             for n, d in zip(t.shape, axes)]
-    table[idx] = costlib.stored_bytes(shape, t.itemsize, problem.profile)
+    choice = {c: domains[k][j] for k, (c, j) in enumerate(zip(scope, idx))}
+    table[idx] = shard_bytes(_shard_shape(problem, shape, dims, choice))
   return table
+
+
+def _shard_shape(problem: Problem, shape, dims, choice) -> tuple[int, ...]:
+  return tuple(-(-n // math.prod(problem.mesh.size(a) for a in d))
+               for n, d in zip(shape, _axes(dims, choice)))
 
 
 def _scope(problem: Problem, dims: Iterable[int | None]) -> tuple[int, ...]:
@@ -145,7 +154,12 @@ def _per_device(problem: Problem, acts: Activations,
   kinds, index = acts.kinds
   shards = np.array([_shards(problem.mesh, d, s, choice, u, o) for d, s, u, o in kinds],
                     int)[index]
-  return _divide(acts.nbytes, shards)
+  out = _divide(acts.nbytes, shards)
+  types = problem.graph.types
+  for k, shard_bytes in acts.shard_bytes.items():
+    out[k] = shard_bytes(_shard_shape(problem, types[acts.values[k]].shape, acts.dims[k],
+                                      choice))
+  return out
 
 
 def _divide(nbytes, shards: np.ndarray) -> np.ndarray:
@@ -192,6 +206,13 @@ def activation_tables(problem: Problem, acts: Activations, at: int) -> list[Tabl
   total: dict[tuple[int, ...], float] = {}
   copies = []
   for k in np.flatnonzero((acts.start <= at) & (acts.stop >= at)):
+    if k in acts.shard_bytes:
+      dims = acts.dims[k]
+      scope = _scope(problem, dims)
+      table = _shard_table(problem, problem.graph.types[acts.values[k]].shape, dims, scope,
+                           acts.shard_bytes[k])
+      copies.append(Table(scope, table, np.zeros_like(table)))
+      continue
     if _is_copy(acts, k):
       copies.append(_copy_table(problem, float(acts.nbytes[k]), acts.dims[k],
                                 _stored(acts, k), acts.unless_of(k), acts.only_of(k)))
@@ -237,9 +258,9 @@ def memory_floor(problem: Problem, acts: Activations, memory: Iterable[Table]) -
   table's least entry, plus, at the position where the most bytes are live whole, each
   scope's least share of its values there. (Any plan's peak is at least what it holds
   live there, and a sum's least is at least the sum of its terms' least.) Copies,
-  which some layouts do without (`Activations.stored`, `unless`, `only`), count
-  nothing. A remat policy whose floor is over the budget cannot fit, whatever the
-  search would choose.
+  which some layouts do without (`Activations.stored`, `unless`, `only`), and entries
+  laid out per shard (`Activations.shard_bytes`) count nothing. A remat policy whose
+  floor is over the budget cannot fit, whatever the search would choose.
   """
   floor = sum(float(t.value.min()) for t in memory)
   if not len(acts.nbytes):
@@ -247,6 +268,7 @@ def memory_floor(problem: Problem, acts: Activations, memory: Iterable[Table]) -
   _, at = _live_peak(acts, acts.nbytes)
   kinds, index = acts.kinds
   live = (acts.start <= at) & (acts.stop >= at)
+  live[list(acts.shard_bytes)] = False  # laid out per shard: counted as nothing, as copies
   per_kind = np.bincount(index[live], weights=acts.nbytes[live], minlength=len(kinds))
   total: dict[tuple[int, ...], float] = {}
   for (dims, stored, unless, only), nbytes in zip(kinds, per_kind.tolist()):

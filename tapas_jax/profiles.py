@@ -84,6 +84,14 @@ class DeviceProfile:
       held; a two-matmul toy at 256 to 4,096 tokens per device alike; not past a
       loop: a scanned LLaMA's before its scanned backward; BENCHMARKS.md "The glue's
       weight gradients made last").
+    updates_when_ready: whether the compiler runs each parameter's update as soon as
+      what it reads is ready (its gradient reduced; every gradient, under a global-norm
+      clip), freeing the reduced gradient there, rather than where the program writes
+      the update, after the whole backward pass. The TPU compiler does (libtpu
+      0.0.50.1, the small T5 under FSDP: its layer gradients reduced at point 1357 of
+      2212 and applied one by one by 2073, before the embedding's gradient is made;
+      `solver/reductions.py`, BENCHMARKS.md "Each update as soon as its gradient is
+      reduced").
     copies_donated_inputs: whether the compiler copies a donated input whole before
       its in-place update where a reader its next value does not depend on (the
       backward pass's `dy @ W.T`) is not ordered before the update (XLA:CPU's copy
@@ -214,6 +222,7 @@ class DeviceProfile:
   reductions_duplicate: bool = True
   copies_donated_inputs: bool = True
   glue_gradients_last: bool = False
+  updates_when_ready: bool = False
   combine_threshold_bytes: float = 30 * 2**20
   dot_operand_fusion: bool = False
   all_gather_as_all_reduce_above: float = math.inf
@@ -248,7 +257,7 @@ _TPU_STORAGE = dict(memory_tile=(8, 128), buffer_granule_bytes=512,
                     stores_dot_operands_in_bf16=True, copies_donated_inputs=False,
                     copies_conv_inputs=True, stacks_in_place=True, casts_loop_stacks=True)
 # How the TPU compiler orders the backward (the field's doc): the same on every generation.
-_TPU_SCHEDULE = dict(glue_gradients_last=True)
+_TPU_SCHEDULE = dict(glue_gradients_last=True, updates_when_ready=True)
 
 # Sources, one per number. Google's "Interchip Interconnect BW" in Gbps is the
 # one-way aggregate over all ICI ports of a chip (v5e: 1600 Gbps = 4 ports x
@@ -441,7 +450,7 @@ PROFILES: dict[str, DeviceProfile] = {
 # The DeviceProfile fields that describe its compiler (memory layout, how collectives are
 # lowered), not the chip.
 _COMPILER_LAYOUT = ("reduce_scatter", "canonical_convolutions", "reductions_duplicate",
-                    "copies_donated_inputs", "glue_gradients_last",
+                    "copies_donated_inputs", "glue_gradients_last", "updates_when_ready",
                     "combine_threshold_bytes", "dot_operand_fusion",
                     "all_gather_as_all_reduce_above", "all_gather_as_all_reduce_up_to_bytes",
                     "reduce_scatter_as_all_reduce",

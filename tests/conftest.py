@@ -69,3 +69,33 @@ def libtpu():
 def two_steps():
   """`_two_steps`: a plan applied for two steps, checked against the unsharded step."""
   return _two_steps
+
+
+def _small_row_on_and_off(family, layout, field, **verify_kwargs):
+  """A small-zoo baseline on v5p:2x2x1 (data 2 x model 2, batch 8): its predicted bytes
+  with the `tpu-v5p` profile's `field` on and off, and the TPU compiler's record of it
+  (state donated, in the compiler's layouts). Returns ({True: bytes, False: bytes},
+  `tapas.verify`'s record)."""
+  import dataclasses  # noqa: PLC0415
+
+  import tapas_jax as tapas  # noqa: PLC0415 - after the device flags above
+  from tapas_jax import baselines, cost, models  # noqa: PLC0415
+
+  config, trimmed = models.SMALL[family]
+  m = models.get_model(family, config, **trimmed)
+  args = (m.train_step(), m.abstract_state(), m.batch_spec(8))
+  plans = {on: baselines.baseline(layout, *args, mesh={"data": 2, "model": 2}, family=family,
+                                  device=dataclasses.replace(cost.get_profile("tpu-v5p"),
+                                                             **{field: on}))
+           for on in (True, False)}
+  got = tapas.verify(plans[True], args[0], *args[1:], topology="v5p:2x2x1", donate_argnums=0,
+                     layouts="auto", **verify_kwargs)
+  return {on: p.stats.predicted_memory_bytes for on, p in plans.items()}, got
+
+
+@pytest.fixture
+def small_row_on_and_off(libtpu):
+  """`_small_row_on_and_off`: a small-zoo row predicted with a profile field on and off,
+  judged by the TPU compiler (skipped where libtpu cannot load)."""
+  del libtpu
+  return _small_row_on_and_off

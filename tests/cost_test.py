@@ -73,12 +73,12 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                        p.reassociates_all_reduces, p.memory_tile, p.buffer_granule_bytes,
                        p.stores_dot_operands_in_bf16, p.copies_donated_inputs,
                        p.glue_gradients_last, p.copies_conv_inputs, p.stacks_in_place,
-                       p.casts_loop_stacks)
+                       p.casts_loop_stacks, p.updates_when_ready)
   assert layout(on_cpu) == layout(cpu) == (False, True, False, math.inf, False, math.inf,
                                            math.inf, False, False, False, (), 1, False, True,
-                                           False, False, False, False)
+                                           False, False, False, False, False)
   assert layout(base) == (True, False, True, 30 * 2**20, True, 32, math.inf, True, True, True,
-                          (8, 128), 512, True, False, True, True, True, True)
+                          (8, 128), 512, True, False, True, True, True, True, True)
   assert dataclasses.replace(on_cpu, name=base.name, reduce_scatter=True,
                              canonical_convolutions=False, reductions_duplicate=True,
                              combine_threshold_bytes=30 * 2**20,
@@ -90,7 +90,7 @@ def test_a_profile_compiled_by_xla_cpu_keeps_its_figures_and_takes_cpu_s_layout(
                              stores_dot_operands_in_bf16=True,
                              copies_donated_inputs=False, glue_gradients_last=True,
                              copies_conv_inputs=True, stacks_in_place=True,
-                             casts_loop_stacks=True) == base
+                             casts_loop_stacks=True, updates_when_ready=True) == base
   assert cost.compiled_by_xla_cpu(on_cpu) is on_cpu
   assert cost.compiled_by_xla_cpu("cpu") is cpu
 

@@ -15,6 +15,7 @@ MODULES = ["tapas_jax", "tapas_jax.errors", "tapas_jax._jax_internals", "tapas_j
            "tapas_jax.solver.solve", "tapas_jax.options", "tapas_jax.plan_file",
            "tapas_jax.plan_records",
            "tapas_jax.solver.fusion", "tapas_jax.solver.loop_casts", "tapas_jax.solver.remat",
+           "tapas_jax.solver.reductions",
            "tapas_jax.solver.experts",
            "tapas_jax.solver.result", "tapas_jax.solver.plan_terms", "tapas_jax.solver.layouts",
            "tapas_jax.baselines", "tapas_jax.apply", "tapas_jax.measure", "tapas_jax.verify",

@@ -814,10 +814,10 @@ def _cast_stack_step(checkpointed: bool):
 
 
 def _cast_copies(device, checkpointed: bool, policy=None
-                 ) -> list[tuple[int, int, float, str]]:
+                 ) -> tuple[list[tuple[int, int, float, str]], list[int]]:
   """(start, stop, bytes, what `largest_live` says it holds) of the entries holding the
   stacked weights' input value (its bf16 copy) in the data-parallel plan's activations,
-  (4, 512, 512) f32 weights."""
+  (4, 512, 512) f32 weights; and the loops' positions."""
   args = (jax.ShapeDtypeStruct((4, 512, 512), jnp.float32),
           jax.ShapeDtypeStruct((4 * 256, 512), jnp.bfloat16))
   step = _cast_stack_step(checkpointed)
@@ -827,9 +827,11 @@ def _cast_copies(device, checkpointed: bool, policy=None
     folded = prepared.folded
     acts = remat.with_remat(prepared.problem, acts, [
         r for u in folded.unique_layers for r in remat.layer_remats(folded, u.index, policy)])
-  ws = prepared.problem.graph.inputs[0].value
-  return [(int(acts.start[k]), int(acts.stop[k]), float(acts.nbytes[k]), acts.notes.get(k, ""))
-          for k, v in enumerate(acts.values) if v == ws]
+  g = prepared.problem.graph
+  ws = g.inputs[0].value
+  return ([(int(acts.start[k]), int(acts.stop[k]), float(acts.nbytes[k]), acts.notes.get(k, ""))
+           for k, v in enumerate(acts.values) if v == ws],
+          [j for j, op in enumerate(g.region_ops(0)) if op.subregions])
 
 
 @pytest.mark.parametrize("checkpointed", [True, False], ids=["jax.checkpoint", "tapas remat"])
@@ -842,15 +844,11 @@ def test_a_stacked_f32_input_cast_in_its_loops_is_held_once_in_bf16(checkpointed
   # forward loop wrote out; bf16 bytes, laid out as stored (replicated here).
   tpu = cost.get_profile("tpu-v5p")
   policy = None if checkpointed else "nothing_saveable"
-  copies = _cast_copies(tpu, checkpointed, policy)
-  loops = [j for j, op in enumerate(api.prepare(
-      _cast_stack_step(checkpointed), (jax.ShapeDtypeStruct((4, 512, 512), jnp.float32),
-                                       jax.ShapeDtypeStruct((4 * 256, 512), jnp.bfloat16)),
-      mesh={"data": 4}, device=tpu).problem.graph.region_ops(0)) if op.subregions]
+  copies, loops = _cast_copies(tpu, checkpointed, policy)
   assert copies == [(loops[0], loops[-1], 4 * 512 * 512 * 2,
                      "cast once to bfloat16 for the loops reading it")], copies
   off = dataclasses.replace(tpu, casts_loop_stacks=False)
-  assert _cast_copies(off, checkpointed, policy) == []
+  assert _cast_copies(off, checkpointed, policy)[0] == []
 
 
 def test_a_stacked_input_cast_once_agrees_with_the_tpu_compiler(libtpu):

@@ -20,6 +20,7 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.conv_inputs import add_conv_input_copies
+from tapas_jax.solver.reductions import combined_reductions, last_update_reads
 from tapas_jax.solver.donated import donated_copies
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
@@ -182,7 +183,7 @@ def activations(problem: Problem, cache: dict | None = None, *, per_op: bool = F
     own = _add_mapped(entries, problem, prog, update, conv)
   _hand_over_in_place(prog, entries)
   moved = glue_gradients_last(entries, problem, prog, update, own)
-  _add_reductions(entries, problem, prog, update.gradients, own, moved)
+  _add_reductions(entries, problem, prog, update, own, moved)
   _add_loop_bodies(entries, problem, prog)
   _add_gathered_inputs(entries, problem, prog)
   _add_donated_copies(entries, problem, prog)
@@ -369,19 +370,24 @@ def _add_conv_copy(entries: Entries, prog: LiveProgram, op, j: int, v: int, clas
   entries.add(made_at if v in op.inputs else j, j, g.types[v].nbytes, v, classes)
 
 
-def _add_reductions(entries: Entries, problem: Problem, prog: LiveProgram, gradients,
-                    own: Mapping[int, int], moved: Mapping[int, int] | None = None) -> None:
+def _add_reductions(entries: Entries, problem: Problem, prog: LiveProgram,
+                    update: UpdateReads, own: Mapping[int, int],
+                    moved: Mapping[int, int] | None = None) -> None:
   """Where a split leaves them partial sums, the gradients' reductions are combined, in
   program order, up to the compiler's combine threshold, each combined reduction run
   once the last of its gradients is made: each is kept as made until then, its reduced
-  copy from then to the update, and the two live together while the reduction runs.
+  copy from then to the update (as soon as the update can run, where the compiler runs
+  it so: `early_updates`), and the two live together while the reduction runs.
   Where none is reduced, XLA updates each parameter as soon as its gradient is made
   (in place): the gradient lives where it is made only."""
+  gradients = update.gradients
   if not gradients:
     return
   g, pos, made_of, moved = prog.graph, prog.pos, _Made(problem, prog), moved or {}
-  at_of = _combined(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end,
+  at_of = combined_reductions(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end,
                     moved)
+  early = (last_update_reads(prog, update.feeding, at_of)
+           if problem.profile.updates_when_ready else {})
   for x, (read, last) in gradients.items():
     p, at = g.producer[x], at_of[x]
     made = made_of.classes(g.ops[p], g.ops[p].outputs.index(x), x)
@@ -392,6 +398,7 @@ def _add_reductions(entries: Entries, problem: Problem, prog: LiveProgram, gradi
     # Without a reduce-scatter pass (XLA:CPU) the sums are all-reduced whole, as
     # made, and sliced where the update reads them.
     reduced = read if problem.profile.reduce_scatter else made
+    last = min(last, early.get(x, last))
     for a, b, classes in ((first, at, made), (at, max(last, at), reduced)):
       if a <= b:
         entries.add(a, b, g.types[x].nbytes, x, classes, only=partial)
@@ -582,28 +589,6 @@ def _body_fusion(problem: Problem, region: int, kept: tuple[int, ...],
                                   reductions_duplicate=problem.profile.reductions_duplicate,
                                   dot_operands=problem.profile.dot_operand_fusion,
                                   stack_writes=stack_writes)
-
-
-def _combined(g, gradients, pos, threshold: float, end: int,
-              moved: Mapping[int, int] | None = None) -> dict[int, int]:
-  """gradient -> program position of the combined reduction that reduces it: in the
-  order they are made, gradients join one reduction until their bytes would pass
-  `threshold` (XLA's all-reduce / reduce-scatter combiners; the whole bytes stand
-  for each device's share), which runs after the last of them is made. An op in
-  `moved` is made at the position it maps to, not at `pos`'s."""
-  def made_at(x):
-    p = g.producer[x]
-    return moved.get(p, pos[p]) if moved else pos[p]
-
-  buckets: list[list[int]] = [[]]
-  total = 0.0
-  for x in sorted(gradients, key=made_at):
-    if buckets[-1] and total + g.types[x].nbytes > threshold:
-      buckets.append([])
-      total = 0.0
-    buckets[-1].append(x)
-    total += g.types[x].nbytes
-  return {x: min(made_at(bucket[-1]) + 1, end) for bucket in buckets for x in bucket}
 
 
 def _transposed_for_conv(problem: Problem, op) -> dict[int, tuple]:

@@ -20,10 +20,10 @@ from tapas_jax import _jax_internals as jx
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.conv_inputs import add_conv_input_copies
-from tapas_jax.solver.reductions import combined_reductions, last_update_reads
 from tapas_jax.solver.donated import donated_copies
 from tapas_jax.solver.fusion import fused_values, live_ops
 from tapas_jax.solver.problem import Problem
+from tapas_jax.solver.reductions import combined_reductions, last_update_reads
 from tapas_jax.solver.reorder import glue_gradients_last
 from tapas_jax.solver.live_program import (Entries, LiveProgram, live_program,
                                             readers_through)
@@ -377,15 +377,16 @@ def _add_reductions(entries: Entries, problem: Problem, prog: LiveProgram,
   program order, up to the compiler's combine threshold, each combined reduction run
   once the last of its gradients is made: each is kept as made until then, its reduced
   copy from then to the update (as soon as the update can run, where the compiler runs
-  it so: `early_updates`), and the two live together while the reduction runs.
+  it so: `reductions.last_update_reads`), and the two live together while the reduction
+  runs.
   Where none is reduced, XLA updates each parameter as soon as its gradient is made
   (in place): the gradient lives where it is made only."""
   gradients = update.gradients
   if not gradients:
     return
   g, pos, made_of, moved = prog.graph, prog.pos, _Made(problem, prog), moved or {}
-  at_of = combined_reductions(g, gradients, pos, problem.profile.combine_threshold_bytes, prog.end,
-                    moved)
+  at_of = combined_reductions(g, gradients, pos, problem.profile.combine_threshold_bytes,
+                              prog.end, moved)
   early = (last_update_reads(prog, update.feeding, at_of)
            if problem.profile.updates_when_ready else {})
   for x, (read, last) in gradients.items():

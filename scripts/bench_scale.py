@@ -99,9 +99,10 @@ def compiled_row(name, plan, figures, compile_s):
   return s.predicted_step_s, f.fits
 
 
-def compile_baseline(name, plan, args, topology):
+def compile_baseline(name, plan, args, topology, layouts):
   start = time.perf_counter()
-  record = tapas.verify(plan, args[0], *args[1:], topology=topology, donate_argnums=0)
+  record = tapas.verify(plan, args[0], *args[1:], topology=topology, donate_argnums=0,
+                        layouts=layouts)
   return compiled_row(name, plan, record.figures(), time.perf_counter() - start)
 
 
@@ -123,13 +124,13 @@ def remat_note(plan):
   return "remat " + ",".join(sorted({p for _, p in plan.remat})) if plan.remat else "no remat"
 
 
-def our_rows(args, mesh, device, batch_axes, topology, budget, compiled):
+def our_rows(args, mesh, device, batch_axes, topology, budget, compiled, layouts):
   """Prints our plan's row (judged by the compiler under `topology`) and, uncompiled, the
   same search without sequence parallelism; returns (predicted step s, fits) or None."""
   start = time.perf_counter()
   try:
     ours = search(*args, mesh=mesh, device=device, batch_axes=batch_axes,
-                  verify=topology)
+                  verify=topology, layouts=layouts)
     took = time.perf_counter() - start
     best = row("tapas", ours, budget, f"{remat_note(ours)}; search {took:.1f} s "
                "end to end" + (" (compiles included)" if topology else ""))
@@ -173,6 +174,9 @@ def main():
   parser.add_argument("--no_search", action="store_true",
                       help="the expert layouts only: no search, and (with --compile) one "
                       "real-scale compile per layout")
+  parser.add_argument("--state_layouts", default="default",
+                      help="the state's in-memory layouts (tapas.apply's layouts=): default "
+                      "or auto")
   a = parser.parse_args()
   batch_axes = None if a.batch_axes is None else tuple(a.batch_axes.split(","))
   for size in a.models.split(","):
@@ -199,13 +203,14 @@ def main():
         print(f"  {'layout':<16} {'step ms':>11} {'sent GiB':>10} {'memory GiB':>12} "
               f"{'fits':>5}")
         best = None if a.no_search else our_rows(args, mesh, device, batch_axes, topology,
-                                                 budget, a.compile)
+                                                 budget, a.compile, a.state_layouts)
         others = []
         for name in a.layouts.split(",") if a.layouts else ():
           plan = tuned(name, args, mesh, device, budget)
           others.append(row(name, plan, budget, remat_note(plan)))
           if topology:  # judged by the compiler, not the prediction
-            others[-1] = compile_baseline(name, plan, args, topology)
+            others[-1] = compile_baseline(name, plan, args, topology,
+                                          a.state_layouts)
         fitting = [t for t, fits in others if fits]
         if best is not None and fitting:
           print(f"  ours / best fitting baseline (predicted step time"

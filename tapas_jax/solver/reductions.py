@@ -72,7 +72,8 @@ def last_update_reads(prog: LiveProgram, feeding: Collection[int],
     (2, True)
   """
   g, pos, live = prog.graph, prog.pos, prog.live
-  region = [i for i in prog.update | set(feeding) if i in pos and i in live]
+  region = sorted((i for i in prog.update | set(feeding) if i in pos and i in live),
+                  key=pos.__getitem__)
   runs: dict[int, int] = {}
 
   def ready(v: int) -> int:
@@ -83,10 +84,10 @@ def last_update_reads(prog: LiveProgram, feeding: Collection[int],
       return 0
     return runs.get(p, pos[p])
 
-  for i in sorted(region, key=pos.__getitem__):
+  for i in region:
     runs[i] = max((ready(v) for v in g.ops[i].inputs), default=0)
   reads: dict[int, int] = {}  # op -> where what it makes is read (a feeding op's readers)
-  for i in sorted(region, key=pos.__getitem__, reverse=True):
+  for i in reversed(region):
     if i not in feeding:
       reads[i] = runs[i]
       continue

@@ -106,6 +106,16 @@ def zoo(a, mesh):
             f"{r.compile_s:.1f} |{dumped}", flush=True)
 
 
+def _dumped_live(folder, predicted) -> str:
+  """Table cells: the arguments whole plus the temporaries' live peak, as the compiler's
+  dumps list its buffers (`tpu_peak.temporaries_peak`), and the prediction over it."""
+  if not folder:
+    return ""
+  args, temps, _, _ = tpu_peak.temporaries_peak(folder, 0)
+  shutil.rmtree(folder, ignore_errors=True)
+  return f" {(args + temps) / 2**30:.2f} | {predicted / (args + temps):.2f} |"
+
+
 def _programs(a):
   """(name, (step, *args)) of the zoo's models, or of the library styles (`--styles`)."""
   if a.styles:
@@ -144,8 +154,9 @@ def real(a, mesh):
         "peak_memory_in_bytes.")
   print("| layers | layout | remat | pred state | pred interm. | **pred total** | args | "
         "temp | out | alias | **compiled** | pred / comp | live peak | pred / live | plan s | "
-        "compile s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "compile s |" + (" dump's args + live temp | pred / dump's |" if a.dumps else ""))
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if a.dumps else ""))
   tmesh = tpu_mesh(a.topology, mesh)
   for layout in a.layouts.split(","):
     t = time.perf_counter()
@@ -162,8 +173,10 @@ def real(a, mesh):
             s.predicted_memory_bytes)
     t = time.perf_counter()
     step = tapas.apply(plan, args[0], mesh=tmesh, donate_argnums=0)
+    folder = tempfile.mkdtemp(prefix="bench_verify_") if a.dumps else None
     try:
-      compiled = step.lower(*args[1:]).compile()
+      compiled = step.lower(*args[1:]).compile(
+          {"xla_dump_to": folder} if folder else None)
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is a row
       print(f"| {a.layers} | {layout} | {remat} | " + " | ".join(f"{x / 2**30:.2f}"
             for x in pred) + f" | compile failed: {str(e).splitlines()[0][:200]} |",
@@ -182,7 +195,7 @@ def real(a, mesh):
           + " | " + " | ".join(f"{x / 2**30:.2f}" for x in comp)
           + f" | {pred[2] / peak:.2f} | {got.live_peak_bytes / 2**30:.2f} | "
           f"{pred[2] / got.live_peak_bytes if got.live_peak_bytes else float('nan'):.2f} | "
-          f"{plan_s:.1f} | {compile_s:.0f} |", flush=True)
+          f"{plan_s:.1f} | {compile_s:.0f} |{_dumped_live(folder, pred[2])}", flush=True)
   hbm = USABLE_HBM.get(tmesh.devices.flat[0].device_kind)
   if hbm:
     print(f"usable HBM per device (compiler): {hbm / 2**30:.2f} GiB")
@@ -216,7 +229,8 @@ def main():
   p.add_argument("--dump", default=None, help="folder for the compiled TPU HLO (--real)")
   p.add_argument("--dumps", action="store_true",
                  help="zoo: a column more, the peak the compiler's live-range dump lists "
-                 "(scripts/tpu_peak.py), beside `peak_memory_in_bytes`")
+                 "(scripts/tpu_peak.py), beside `peak_memory_in_bytes`; --real: the "
+                 "arguments plus the temporaries' live peak its dumps list")
   a = p.parse_args()
   a.topology = a.topology or ("v5p:4x4x4" if a.real else "v5p:2x2x1")
   a.mesh = a.mesh or ("data:8,model:8" if a.real else "data:2,model:2")

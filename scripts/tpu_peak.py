@@ -40,7 +40,9 @@ import warnings
 
 import numpy as np
 
-_VALUE = re.compile(r"value: <\d+ (\S+?)(?: @\d+)?> \(size=(\d+),offset=(\d+)\): (\S+)")
+# A loop's results are listed as "(phi)" values: the loop writes them in place.
+_VALUE = re.compile(r"value: <\d+ (\S+?)(?: \(phi\))?(?: @\d+)?> "
+                    r"\(size=(\d+),offset=(\d+)\): (\S+)")
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)", re.M)
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$", re.M)
 

@@ -35,7 +35,10 @@ Approximations (stated, not hidden):
 - without a budget remat only costs time, so it is chosen only under a budget;
 - the originals' new last reader is the last reader left, without the reach a value
   gets from fused readers (`live.activations`); a recomputed value the activation
-  model treats as fused (never written out) gains nothing and costs no copy.
+  model treats as fused (never written out) gains nothing and costs no copy. A saved
+  dot the forward computes inside its reader's fusion (a residual add's) is written
+  out where a recomputed op reads it, and kept from the forward to there, as the TPU
+  compiler does (a second output of the dot's fusion).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -366,10 +369,20 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
     for b, k in r.reads:
       switched.setdefault(g.ops[b].inputs[k], set()).add(b)
     recomputed = set(r.recompute)
+    written: set[int] = set()
     for p in r.recompute:
       for v in g.ops[p].inputs:  # what the recomputation reads must still be there
-        if g.producer.get(v) not in recomputed and v in at and v not in regathered:
+        if g.producer.get(v) in recomputed or v in regathered:
+          continue
+        if v in at:
           extend[at[v]] = max(extend.get(at[v], first), first)
+        elif v not in written and _fused_dot(problem, v, pos):
+          # A saved dot the forward computed inside its reader's fusion (a residual
+          # add's): the recomputed reader reads it again, so the forward writes it out
+          # and keeps it to the backward (a second output of the dot's fusion).
+          written.add(v)
+          extra.add(pos[g.producer[v]], first, g.types[v].nbytes, v,
+                    tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))))
       for v in g.ops[p].outputs:
         if v not in at:
           continue
@@ -387,6 +400,16 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
   return acts.with_entries(extra, start=start, stop=stop)
+
+
+def _fused_dot(problem: Problem, v: int, pos: Mapping[int, int]) -> bool:
+  """Whether v is a top-level dot's (or convolution's) result the activation model
+  holds no entry for: computed inside its reader's fusion, never written out."""
+  g = problem.graph
+  p = g.producer.get(v)
+  return (p in pos and bool(g.types[v].shape)
+          and ruleslib.facts(g.ops[p].primitive).contracts
+          and (problem.cv(v), 0) in problem.value_class)
 
 
 def _with_scan_remat(problem: Problem, acts: Activations, scans: Sequence[ScanRemat]

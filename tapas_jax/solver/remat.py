@@ -18,8 +18,12 @@ its own sharding solved under the budget, and keeps the fastest plan that fits.
 `tapas.apply` performs the same recomputation on the program (`apply.py`).
 
 Approximations (stated, not hidden):
-- the recomputed copies are counted live from the layer's first backward read of a
-  recomputed value to their last backward reader; XLA may schedule them otherwise;
+- each recomputed op runs as late as its readers allow (just before the first backward
+  op, or recomputed op, reading it: the compilers schedule a recomputation next to its
+  use), its copy live from there to its last reader; an intermediate read only inside
+  the recomputation and fused into its readers there takes no buffer. A parameter
+  gathered again only for its casts to a narrower float is gathered as those casts
+  where the compiler converts before gathering (the TPU's), each cast where read;
 - ops holding branches or uncounted loops are never recomputed whole: they stay saved. A
   counted loop inside a layer (a chunked attention's `lax.map`) is recomputed whole
   under nothing_saveable (its body priced per iteration, its body's values live again
@@ -108,7 +112,7 @@ class InstanceRemat:
     recompute: forward op indices recomputed in the backward, in program order.
     reads: (backward op index, operand slot) reads switched to recomputed copies.
     first: the first backward op in program order reading a recomputed copy or a
-      re-gathered parameter (recompute happens there).
+      re-gathered parameter (no recomputation runs before it).
     params: program inputs the layer's forward reads and its backward (or the
       recomputation) reads again. Where the plan stores one apart from its use (ZeRO),
       the backward gathers it again rather than keeping the forward's gathered copy
@@ -329,8 +333,8 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
                ) -> Activations:
   """The live ranges once these instances are rematerialised: a recomputed value's
   original dies at its last reader outside the switched reads, and its copy lives
-  from the instance's first switched read to its last one; a value the recomputation
-  reads stays live until then. A parameter's gathered copy (`Activations.stored`)
+  from where it is recomputed (`_recompute_times`) to its last reader; a value the
+  recomputation reads stays live until then. A parameter's gathered copy (`Activations.stored`)
   dies after the forward and is gathered again for the backward."""
   scans = [r for r in remats if isinstance(r, ScanRemat)]
   remats = [r for r in remats if not isinstance(r, ScanRemat)]
@@ -350,7 +354,11 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
   extra = Entries()
   extend: dict[int, int] = {}  # applied last: a new reader outlives any cut above
   for r in remats:
-    first = pos[r.first]
+    switched: dict[int, set[int]] = {}
+    for b, k in r.reads:
+      switched.setdefault(g.ops[b].inputs[k], set()).add(b)
+    recomputed = set(r.recompute)
+    when = _recompute_times(g, r, switched, pos)
     regathered = set()
     for v in r.params:
       k = at.get(v)
@@ -358,31 +366,29 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         continue  # read as stored: nothing gathered
       readers = [(pos[c], is_backward(g.ops[c])) for c in g.consumers.get(v, ())
                  if c in pos and start[k] <= pos[c] <= stop[k]]
-      early = [j for j, late in readers if not late and j < first]
-      late = [j for j, late in readers if late] + [first]
+      early = [j for j, late in readers if not late and j < pos[r.first]]
       if not early:
         continue
+      late = [j for j, late in readers if late]
+      again = [when[c] for c in g.consumers.get(v, ()) if c in recomputed]
       regathered.add(v)
-      extra.add(min(late), max(late), acts.nbytes[k], v, acts.dims[k], stored=stored[k])
       stop[k] = max(early)
-    switched: dict[int, set[int]] = {}
-    for b, k in r.reads:
-      switched.setdefault(g.ops[b].inputs[k], set()).add(b)
-    recomputed = set(r.recompute)
-    written: set[int] = set()
+      if not late and _gathered_narrow(problem, v, recomputed):
+        continue  # gathered as its recomputed casts' copies (below), each where read
+      late += again or [pos[r.first]]
+      extra.add(min(late), max(late), acts.nbytes[k], v, acts.dims[k], stored=stored[k])
+    written: dict[int, int] = {}
     for p in r.recompute:
       for v in g.ops[p].inputs:  # what the recomputation reads must still be there
         if g.producer.get(v) in recomputed or v in regathered:
           continue
         if v in at:
-          extend[at[v]] = max(extend.get(at[v], first), first)
-        elif v not in written and _fused_dot(problem, v, pos):
+          extend[at[v]] = max(extend.get(at[v], when[p]), when[p])
+        elif _fused_dot(problem, v, pos):
           # A saved dot the forward computed inside its reader's fusion (a residual
           # add's): the recomputed reader reads it again, so the forward writes it out
           # and keeps it to the backward (a second output of the dot's fusion).
-          written.add(v)
-          extra.add(pos[g.producer[v]], first, g.types[v].nbytes, v,
-                    tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))))
+          written[v] = max(written.get(v, when[p]), when[p])
       for v in g.ops[p].outputs:
         if v not in at:
           continue
@@ -390,16 +396,56 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
         readers = switched.get(v, set())
         others = [pos[c] for c in g.consumers.get(v, ()) if c in pos and c not in readers]
         stop[k] = max(others, default=start[k])
+        inner = [c for c in g.consumers.get(v, ()) if c in recomputed]
+        if not readers and fuses_into(g.ops[p], [g.ops[c] for c in inner],
+                                      problem.profile.dot_operand_fusion,
+                                      narrow=g.types[v].itemsize < 4):
+          continue  # an intermediate of the recomputation, made inside its readers
         # An op's output, never a gathered parameter: nothing stored apart.
-        extra.add(first, max((pos[b] for b in readers), default=first), acts.nbytes[k],
-                  v, acts.dims[k])
+        until = [pos[b] for b in readers] + [when[c] for c in inner]
+        extra.add(when[p], max(until, default=when[p]), acts.nbytes[k], v, acts.dims[k])
       # A recomputed loop holds its body's values again while it runs, there.
       for v, made, size in (loop_body_values(problem, g.ops[p]) if g.ops[p].subregions
                             else ()):
-        extra.add(first, first, size, v, made)
+        extra.add(when[p], when[p], size, v, made)
+    for v, until in written.items():
+      extra.add(pos[g.producer[v]], until, g.types[v].nbytes, v,
+                tuple(problem.vclass(v, d) for d in range(len(g.types[v].shape))))
   for k, p in extend.items():
     stop[k] = max(stop[k], p)
   return acts.with_entries(extra, start=start, stop=stop)
+
+
+def _recompute_times(g: Graph, r: InstanceRemat, switched: Mapping[int, set[int]],
+                     pos: Mapping[int, int]) -> dict[int, int]:
+  """Where each recomputed op runs: as late as its readers allow (just before the
+  first backward op reading its copy, or the first recomputed op needing it), as the
+  compilers' schedulers place a recomputation next to its use rather than all of a
+  layer's at the start of its backward."""
+  recomputed = set(r.recompute)
+  when: dict[int, int] = {}
+  for p in reversed(r.recompute):  # program order: readers after their producers
+    needs = [pos[b] for v in g.ops[p].outputs for b in switched.get(v, ())]
+    needs += [when[c] for v in g.ops[p].outputs for c in g.consumers.get(v, ())
+              if c in recomputed and c in when]
+    when[p] = min(needs, default=pos[r.first])
+  return when
+
+
+def _gathered_narrow(problem: Problem, v: int, recomputed) -> bool:
+  """Whether a parameter gathered again for a recomputation is gathered as its casts:
+  every recomputed reader converts it to one narrower float and the compiler converts
+  the shard before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`), so no
+  copy of it is made whole in its own type."""
+  if not problem.profile.gathers_dot_operands_in_bf16:
+    return False
+  g = problem.graph
+  readers = [g.ops[c] for c in g.consumers.get(v, ()) if c in recomputed]
+  return bool(readers) and all(
+      op.primitive == "convert_element_type"
+      and g.types[op.outputs[0]].itemsize < g.types[v].itemsize
+      and g.types[op.outputs[0]].dtype.startswith(("bfloat", "float"))
+      for op in readers)
 
 
 def _fused_dot(problem: Problem, v: int, pos: Mapping[int, int]) -> bool:

@@ -143,12 +143,13 @@ def real(a, mesh):
   chips = a.data * a.model
   m = models.get_model("llama", a.config, num_layers=a.layers, seq_len=a.seq,
                        attention="chunked", attention_chunk=512, dtype="bfloat16",
-                       param_dtype="float32", scan_layers=a.scan)
+                       param_dtype="float32", scan_layers=a.scan, **_overrides(a.overrides))
   args = (m.train_step(), m.abstract_state(), m.batch_spec(a.per_device_batch * chips))
   import libtpu  # noqa: PLC0415 - only to print its version
   print(f"jax {jax.__version__}, libtpu {getattr(libtpu, '__version__', '?')}; {a.config} "
         f"{a.layers} layers{' scanned' if a.scan else ''}, seq {a.seq}, batch "
-        f"{a.per_device_batch * chips}, mesh {mesh} on {a.topology}, profile {a.device}")
+        f"{a.per_device_batch * chips}, mesh {mesh} on {a.topology}, profile {a.device}"
+        f"{', ' + a.overrides if a.overrides else ''}; state layouts {a.state_layouts}")
   print("GiB per device. Predicted: state (inputs) + intermediates at the peak. Compiled: "
         "arguments + temporaries + outputs - aliased; live peak: the compiler's "
         "peak_memory_in_bytes.")
@@ -172,7 +173,7 @@ def real(a, mesh):
     pred = (s.predicted_state_bytes, s.predicted_memory_bytes - s.predicted_state_bytes,
             s.predicted_memory_bytes)
     t = time.perf_counter()
-    step = tapas.apply(plan, args[0], mesh=tmesh, donate_argnums=0)
+    step = tapas.apply(plan, args[0], mesh=tmesh, donate_argnums=0, layouts=a.state_layouts)
     folder = tempfile.mkdtemp(prefix="bench_verify_") if a.dumps else None
     try:
       compiled = step.lower(*args[1:]).compile(
@@ -201,6 +202,15 @@ def real(a, mesh):
     print(f"usable HBM per device (compiler): {hbm / 2**30:.2f} GiB")
 
 
+def _overrides(text: str | None) -> dict:
+  """--overrides' `key=value,...` as the config's fields (integers where they read as one)."""
+  out = {}
+  for item in filter(None, (text or "").split(",")):
+    key, value = item.split("=")
+    out[key] = int(value) if value.lstrip("-").isdigit() else value
+  return out
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--real", action="store_true",
@@ -221,6 +231,8 @@ def main():
   p.add_argument("--styles", default=None,
                  help="instead of the zoo, these train steps in library styles "
                  "(tests/styles.py; 'all'), at --layers layers")
+  p.add_argument("--overrides", default=None,
+                 help="--real: config fields set over --config's, as d_model=1024,d_ff=2816")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--per_device_batch", type=int, default=3)

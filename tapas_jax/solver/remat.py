@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -373,7 +373,7 @@ def with_remat(problem: Problem, acts: Activations, remats: Sequence[InstanceRem
       again = [when[c] for c in g.consumers.get(v, ()) if c in recomputed]
       regathered.add(v)
       stop[k] = max(early)
-      if not late and _gathered_narrow(problem, v, recomputed):
+      if not late and _gathered_narrow(problem, v, recomputed, at):
         continue  # gathered as its recomputed casts' copies (below), each where read
       late += again or [pos[r.first]]
       extra.add(min(late), max(late), acts.nbytes[k], v, acts.dims[k], stored=stored[k])
@@ -432,17 +432,19 @@ def _recompute_times(g: Graph, r: InstanceRemat, switched: Mapping[int, set[int]
   return when
 
 
-def _gathered_narrow(problem: Problem, v: int, recomputed) -> bool:
+def _gathered_narrow(problem: Problem, v: int, recomputed: Collection[int],
+                     written: Collection[int]) -> bool:
   """Whether a parameter gathered again for a recomputation is gathered as its casts:
   every recomputed reader converts it to one narrower float and the compiler converts
   the shard before gathering it (`DeviceProfile.gathers_dot_operands_in_bf16`), so no
-  copy of it is made whole in its own type."""
+  copy of it is made whole in its own type. Only where each cast is `written` out (has
+  an entry of its own to stand for the gathered copy)."""
   if not problem.profile.gathers_dot_operands_in_bf16:
     return False
   g = problem.graph
   readers = [g.ops[c] for c in g.consumers.get(v, ()) if c in recomputed]
   return bool(readers) and all(
-      op.primitive == "convert_element_type"
+      op.primitive == "convert_element_type" and op.outputs[0] in written
       and g.types[op.outputs[0]].itemsize < g.types[v].itemsize
       and g.types[op.outputs[0]].dtype.startswith(("bfloat", "float"))
       for op in readers)

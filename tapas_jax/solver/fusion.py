@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import TYPE_CHECKING, Collection, NamedTuple, Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.solver.memo import memo
-from tapas_jax.trace import Graph, Op, mask, ranges
+from tapas_jax.trace import Graph, Op, TensorType, mask, ranges
 
 if TYPE_CHECKING:
   from tapas_jax.solver.views import Copies
@@ -472,6 +473,22 @@ def fuses_into(op: Op, readers: Sequence[Op], dot_operands: bool = False,
   return (f.fusible and not op.subregions and bool(readers)
           and all(_reader_fuses(r, dot_operands) and not r.subregions for r in readers)
           and (not once or len(readers) == 1))
+
+
+def narrowing_cast(graph: Graph, readers: Sequence[Op], ttype: TensorType
+                   ) -> TensorType | None:
+  """The type a value of `ttype` is taken in where every reader converts it to one
+  narrower float type (f32 weights cast to the bf16 a model computes in, as flax's
+  `param_dtype` does), else None: what a compiler converting before it gathers
+  gathers."""
+  if not readers or any(op.primitive != "convert_element_type" for op in readers):
+    return None
+  dtypes = {graph.types[op.outputs[0]].dtype for op in readers}
+  if len(dtypes) != 1:
+    return None
+  narrow = dataclasses.replace(ttype, dtype=dtypes.pop())
+  return (narrow if narrow.itemsize < ttype.itemsize
+          and narrow.dtype.startswith(("bfloat", "float")) else None)
 
 
 def _reader_fuses(reader: Op, dot_operands: bool) -> bool:

@@ -71,7 +71,7 @@ import numpy as np
 from tapas_jax import _jax_internals as jx
 from tapas_jax import rules as ruleslib
 from tapas_jax.fold import Folded
-from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops
+from tapas_jax.solver.fusion import fused_values, fuses_into, live_ops, narrowing_cast
 from tapas_jax.solver.live import Activations, kernel_share, loop_body_values
 from tapas_jax.solver.live_program import Entries
 from tapas_jax.solver.loop_casts import add_cast, cast_stacks
@@ -443,11 +443,8 @@ def _gathered_narrow(problem: Problem, v: int, recomputed: Collection[int],
     return False
   g = problem.graph
   readers = [g.ops[c] for c in g.consumers.get(v, ()) if c in recomputed]
-  return bool(readers) and all(
-      op.primitive == "convert_element_type" and op.outputs[0] in written
-      and g.types[op.outputs[0]].itemsize < g.types[v].itemsize
-      and g.types[op.outputs[0]].dtype.startswith(("bfloat", "float"))
-      for op in readers)
+  return (narrowing_cast(g, readers, g.types[v]) is not None
+          and all(op.outputs[0] in written for op in readers))
 
 
 def _fused_dot(problem: Problem, v: int, pos: Mapping[int, int]) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 
 from tapas_jax import cost as costlib
 from tapas_jax import rules as ruleslib
-from tapas_jax.solver.fusion import fused_values, live_ops, top_level
+from tapas_jax.solver.fusion import fused_values, live_ops, narrowing_cast, top_level
 from tapas_jax.solver.memo import memo
 from tapas_jax.solver.problem import Problem
 from tapas_jax.solver.views import Standing, scan_bindings, scan_region
@@ -408,12 +408,7 @@ class TableBuilder:
     ops = [g.ops[i] for i in readers]
     if ttype.dtype == "float32" and _into_contractions(g, ops):
       return dataclasses.replace(ttype, dtype="bfloat16")
-    if all(op.primitive == "convert_element_type" for op in ops):
-      dtypes = {g.types[op.outputs[0]].dtype for op in ops}
-      narrow = dataclasses.replace(ttype, dtype=dtypes.pop()) if len(dtypes) == 1 else ttype
-      if narrow.itemsize < ttype.itemsize and narrow.dtype.startswith(("bfloat", "float")):
-        return narrow
-    return ttype
+    return narrowing_cast(g, ops, ttype) or ttype
 
   def _table(self, kind, fclass, flops, out_type, edges, traffic=()) -> Table | None:
     scope: dict[int, int] = {}  # class -> its position, in order of first use
